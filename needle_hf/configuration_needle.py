@@ -1,0 +1,287 @@
+"""Needle 2 model configuration.
+
+This file is self-contained (it imports nothing from the rest of the package) because it is also
+written next to saved weights as remote code for users who load with ``trust_remote_code=True``.
+"""
+
+from transformers import PretrainedConfig
+
+# Number of taps in each engram's dilated causal convolution (fixed by the architecture).
+ENGRAM_CONV_TAPS = 4
+# Engram sub-table width the reference uses to pick a default number of hash heads.
+ENGRAM_TARGET_SUB_DIM = 128
+
+# Field names of the reference `TransformerConfig` mapped to ours. Fields that only steer the
+# reference's training or kernels (flash, remat, scan_unroll, dtype) have no counterpart.
+NATIVE_TO_HF_FIELDS = {
+    "vocab_size": "vocab_size",
+    "d_model": "hidden_size",
+    "attn_dim": "attention_dim",
+    "num_heads": "num_attention_heads",
+    "num_kv_heads": "num_key_value_heads",
+    "num_layers": "num_hidden_layers",
+    "max_seq_len": "max_position_embeddings",
+    "pad_token_id": "pad_token_id",
+    "contrastive_dim": "contrastive_dim",
+    "rope_theta": "rope_theta",
+    "engram_orders": "engram_orders",
+    "engram_heads": "engram_heads",
+    "engram_slots": "engram_slots",
+    "engram_layers": "engram_layers",
+    "mhc_lanes": "hyper_connection_lanes",
+    "kv_window": "kv_window",
+    "kv_bits": "kv_bits",
+    "act_bits": "act_bits",
+    "weight_bits": "weight_bits",
+}
+
+# Defaults of the reference `TransformerConfig` (cactus-needle 2.x). A saved native config holds only
+# the fields that were overridden, so every missing field resolves against these.
+NATIVE_DEFAULTS = {
+    "vocab_size": 8192,
+    "d_model": 512,
+    "attn_dim": 0,
+    "num_heads": 8,
+    "num_kv_heads": 4,
+    "num_layers": 12,
+    "max_seq_len": 2048,
+    "pad_token_id": 0,
+    "contrastive_dim": 128,
+    "rope_theta": 100000.0,
+    "dtype": "bfloat16",
+    "engram_orders": (2, 3),
+    "engram_heads": 0,
+    "engram_slots": 8192,
+    "engram_layers": (2, 15),
+    "mhc_lanes": 4,
+    "kv_window": 0,
+    "kv_bits": 8,
+    "act_bits": 8,
+    "weight_bits": "",
+}
+
+
+class NeedleConfig(PretrainedConfig):
+    r"""Configuration of a Needle 2 model (Cactus Compute's Simple Attention Network).
+
+    Defaults describe the released Needle 2 geometry (the reference's ``base`` preset: d=512, 8 query
+    and 4 key/value heads, 27 layers, engram memory at layers 2 and 15; 44,938,997 parameters). The
+    reference's own dataclass default of 12 layers cannot hold its default engram layer 15;
+    [`NeedleConfig.from_needle_config`] resolves a saved native config against those native defaults.
+
+    Args:
+        vocab_size (`int`, *optional*, defaults to 8192): Vocabulary size.
+        hidden_size (`int`, *optional*, defaults to 512): Residual width `d` (`d_model`).
+        attention_dim (`int`, *optional*, defaults to `None`): Width of the query/gate projections;
+            `None` or 0 means `hidden_size` (the reference's `attn_dim=0`).
+        num_attention_heads (`int`, *optional*, defaults to 8): Query heads.
+        num_key_value_heads (`int`, *optional*, defaults to 4): Key/value heads (grouped-query attention).
+        num_hidden_layers (`int`, *optional*, defaults to 27): Decoder layers.
+        max_position_embeddings (`int`, *optional*, defaults to 2048): Longest sequence (`max_seq_len`).
+        rope_theta (`float`, *optional*, defaults to 100000.0): RoPE base.
+        rms_norm_eps (`float`, *optional*, defaults to 1e-6): Epsilon of every RMS normalisation.
+        engram_orders (`tuple[int]`, *optional*, defaults to `(2, 3)`): n-gram orders hashed by the
+            engram memory.
+        engram_heads (`int`, *optional*, defaults to 0): Hash heads per order; 0 picks
+            `max(1, hidden_size // (len(engram_orders) * 128))` like the reference.
+        engram_slots (`int`, *optional*, defaults to 8192): Rows of each engram hash table.
+        engram_layers (`tuple[int]`, *optional*, defaults to `(2, 15)`): Layers that read engram memory.
+        hyper_connection_lanes (`int`, *optional*, defaults to 4): Residual lanes of the
+            hyper-connections (`mhc_lanes`).
+        contrastive_dim (`int`, *optional*, defaults to 128): Output width of the contrastive head.
+        use_mtp_head (`bool`, *optional*, defaults to `True`): Whether the multi-token-prediction head
+            (predicts token t+2) has weights.
+        use_contrastive_head (`bool`, *optional*, defaults to `False`): Whether the checkpoint has the
+            contrastive (tool retrieval) head.
+        use_confidence_head (`bool`, *optional*, defaults to `False`): Whether the checkpoint has the
+            confidence head.
+        kv_window (`int`, *optional*, defaults to 0): Sliding KV window the model was trained for
+            (metadata for deployment exports; the HF models attend to the whole context).
+        kv_bits (`int`, *optional*, defaults to 8): KV-cache width of deployment exports (metadata).
+        act_bits (`int`, *optional*, defaults to 8): Activation width of deployment exports (metadata).
+        weight_bits (`str`, *optional*, defaults to `""`): Mixed-precision weight map of deployment
+            exports (metadata, kept so that a round trip back to a native checkpoint exports the same).
+        initializer_range (`float`, *optional*, defaults to 0.02): Std of the normal initialiser.
+        pad_token_id / bos_token_id / eos_token_id (`int`, *optional*, defaults to 0 / 2 / 1).
+        tie_word_embeddings (`bool`, *optional*, defaults to `True`): Needle always ties the output head
+            to the token embedding.
+    """
+
+    model_type = "needle2"
+    keys_to_ignore_at_inference = ["past_key_values"]
+
+    def __init__(
+        self,
+        vocab_size=8192,
+        hidden_size=512,
+        attention_dim=None,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        num_hidden_layers=27,
+        max_position_embeddings=2048,
+        rope_theta=100000.0,
+        rms_norm_eps=1e-6,
+        engram_orders=(2, 3),
+        engram_heads=0,
+        engram_slots=8192,
+        engram_layers=(2, 15),
+        hyper_connection_lanes=4,
+        contrastive_dim=128,
+        use_mtp_head=True,
+        use_contrastive_head=False,
+        use_confidence_head=False,
+        kv_window=0,
+        kv_bits=8,
+        act_bits=8,
+        weight_bits="",
+        initializer_range=0.02,
+        pad_token_id=0,
+        bos_token_id=2,
+        eos_token_id=1,
+        tie_word_embeddings=True,
+        **kwargs,
+    ):
+        self.vocab_size = int(vocab_size)
+        self.hidden_size = int(hidden_size)
+        self.attention_dim = int(attention_dim or hidden_size)
+        self.num_attention_heads = int(num_attention_heads)
+        self.num_key_value_heads = int(num_key_value_heads)
+        self.num_hidden_layers = int(num_hidden_layers)
+        self.max_position_embeddings = int(max_position_embeddings)
+        self.rope_theta = float(rope_theta)
+        self.rms_norm_eps = float(rms_norm_eps)
+        self.engram_orders = [int(o) for o in engram_orders]
+        self.engram_heads = int(engram_heads)
+        self.engram_slots = int(engram_slots)
+        self.engram_layers = [int(layer) for layer in engram_layers]
+        self.hyper_connection_lanes = int(hyper_connection_lanes)
+        self.contrastive_dim = int(contrastive_dim)
+        self.use_mtp_head = bool(use_mtp_head)
+        self.use_contrastive_head = bool(use_contrastive_head)
+        self.use_confidence_head = bool(use_confidence_head)
+        self.kv_window = int(kv_window)
+        self.kv_bits = int(kv_bits)
+        self.act_bits = int(act_bits)
+        self.weight_bits = str(weight_bits or "")
+        self.initializer_range = float(initializer_range)
+        if not tie_word_embeddings:
+            raise ValueError("Needle ties its output head to the token embedding: tie_word_embeddings must be True")
+        super().__init__(
+            pad_token_id=pad_token_id,
+            bos_token_id=bos_token_id,
+            eos_token_id=eos_token_id,
+            tie_word_embeddings=True,
+            **kwargs,
+        )
+        self.validate_geometry()
+
+    # ----------------------------------------------------------------------------------------------
+    # Derived geometry: the one place each derivation is written down.
+    @property
+    def head_dim(self) -> int:
+        return self.attention_dim // self.num_attention_heads
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    @property
+    def engram_num_heads(self) -> int:
+        """Hash heads per n-gram order (resolves `engram_heads=0`)."""
+        return self.engram_heads or max(1, self.hidden_size // (len(self.engram_orders) * ENGRAM_TARGET_SUB_DIM))
+
+    @property
+    def engram_num_tables(self) -> int:
+        """One hash table per (order, head): table k = order_index * heads + head."""
+        return len(self.engram_orders) * self.engram_num_heads
+
+    @property
+    def engram_sub_dim(self) -> int:
+        return self.hidden_size // self.engram_num_tables
+
+    @property
+    def engram_dim(self) -> int:
+        """Width of the concatenated table rows fed to the engram key/value projections."""
+        return self.engram_num_tables * self.engram_sub_dim
+
+    @property
+    def engram_conv_dilation(self) -> int:
+        return max(self.engram_orders)
+
+    @property
+    def engram_conv_taps(self) -> int:
+        return ENGRAM_CONV_TAPS
+
+    @property
+    def engram_history(self) -> int:
+        """Tokens of history an engram needs at a position: the longest n-gram and the conv reach."""
+        return max(max(self.engram_orders) - 1, (ENGRAM_CONV_TAPS - 1) * self.engram_conv_dilation)
+
+    @property
+    def hadamard_size(self) -> int:
+        """Width of the Hadamard MLP: the next power of two >= hidden_size (zero padded)."""
+        return 1 << (self.hidden_size - 1).bit_length()
+
+    def validate_geometry(self):
+        """Raise `ValueError` naming the first inconsistent field."""
+        checks = [
+            (self.vocab_size > 0, f"vocab_size must be positive, got {self.vocab_size}"),
+            (self.hidden_size > 0, f"hidden_size must be positive, got {self.hidden_size}"),
+            (self.num_hidden_layers > 0, f"num_hidden_layers must be positive, got {self.num_hidden_layers}"),
+            (self.num_attention_heads > 0, f"num_attention_heads must be positive, got {self.num_attention_heads}"),
+            (
+                self.num_key_value_heads > 0 and self.num_attention_heads % self.num_key_value_heads == 0,
+                f"num_key_value_heads ({self.num_key_value_heads}) must divide num_attention_heads "
+                f"({self.num_attention_heads})",
+            ),
+            (
+                self.attention_dim % self.num_attention_heads == 0,
+                f"num_attention_heads ({self.num_attention_heads}) must divide attention_dim ({self.attention_dim})",
+            ),
+            (self.head_dim % 2 == 0, f"head_dim ({self.head_dim}) must be even for the half-split RoPE"),
+            (self.max_position_embeddings > 0, "max_position_embeddings must be positive"),
+            (self.hyper_connection_lanes > 0, "hyper_connection_lanes must be positive"),
+            (len(self.engram_orders) > 0, "engram_orders must name at least one n-gram order"),
+            (all(o >= 1 for o in self.engram_orders), f"engram_orders must be >= 1, got {self.engram_orders}"),
+            (self.engram_heads >= 0, f"engram_heads must be >= 0 (0 = auto), got {self.engram_heads}"),
+            (self.engram_slots > 0, f"engram_slots must be positive, got {self.engram_slots}"),
+            (
+                self.engram_sub_dim >= 1,
+                f"hidden_size ({self.hidden_size}) is smaller than the {self.engram_num_tables} engram tables",
+            ),
+            (
+                len(set(self.engram_layers)) == len(self.engram_layers),
+                f"engram_layers has duplicates: {self.engram_layers}",
+            ),
+            (
+                all(0 <= layer < self.num_hidden_layers for layer in self.engram_layers),
+                f"engram_layers {self.engram_layers} must lie in [0, num_hidden_layers={self.num_hidden_layers})",
+            ),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(f"Invalid NeedleConfig: {message}")
+
+    # ----------------------------------------------------------------------------------------------
+    # Native (reference) config dicts.
+    @classmethod
+    def from_needle_config(cls, native: dict, **kwargs) -> "NeedleConfig":
+        """Build from the reference's saved config dict, which holds only the overridden fields.
+
+        Fields that only steer the reference's training (dtype, flash, remat, ...) are ignored, as the
+        reference ignores unknown keys.
+        """
+        if not isinstance(native, dict):
+            raise TypeError(f"a native Needle config must be a dict, got {type(native).__name__}")
+        resolved = dict(NATIVE_DEFAULTS)
+        resolved.update({k: v for k, v in native.items() if k in NATIVE_DEFAULTS})
+        fields = {hf: resolved[nat] for nat, hf in NATIVE_TO_HF_FIELDS.items()}
+        fields.update(kwargs)
+        return cls(**fields)
+
+    def to_needle_config(self) -> dict:
+        """The full native config dict (every field, so no reader depends on native defaults)."""
+        native = {nat: getattr(self, hf) for nat, hf in NATIVE_TO_HF_FIELDS.items()}
+        native["engram_orders"] = tuple(native["engram_orders"])
+        native["engram_layers"] = tuple(native["engram_layers"])
+        return native

@@ -1,0 +1,73 @@
+"""Framework-free constants and tables shared by the Flax and PyTorch Needle models.
+
+Only numpy: both modeling files import this (relatively, so it also travels as remote code).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+# Engram n-gram hash (FNV-style, 32-bit): table k starts from SEED * (k + 1), folds in each of the
+# `order` most recent tokens with `(acc ^ token) * PRIME`, then mixes `acc ^= acc >> 15`.
+ENGRAM_HASH_SEED = 0x9E3779B9
+ENGRAM_HASH_PRIME = 0x01000193
+ENGRAM_HASH_SHIFT = 15
+UINT32_MASK = 0xFFFFFFFF
+
+# Hyper-connection routing: rounds of log-space Sinkhorn normalisation (rows, then columns).
+SINKHORN_ITERATIONS = 20
+# Lane ownership offsets: layer i owns lane i mod lanes. Its pre-mix logit gets +4 on the own lane
+# and -4 on the others; its post-mix logit 0 on the own lane and -4 on the others.
+OWN_LANE_PRE_OFFSET = 4.0
+OTHER_LANE_OFFSET = -4.0
+
+
+def engram_table_seeds(num_orders: int, num_heads: int) -> list[int]:
+    """Initial hash state of each table, table k = order_index * num_heads + head."""
+    return [(ENGRAM_HASH_SEED * (k + 1)) & UINT32_MASK for k in range(num_orders * num_heads)]
+
+
+def engram_table_orders(orders, num_heads: int) -> list[int]:
+    """n-gram order of each table, in table order."""
+    return [order for order in orders for _ in range(num_heads)]
+
+
+def engram_indices_numpy(tokens: np.ndarray, orders, num_heads: int, slots: int) -> np.ndarray:
+    """Hash-table rows [B, T, tables] for token ids [B, T] (tokens before the start count as 0).
+
+    A plain numpy statement of the hash, used by tests to pin both frameworks down.
+    """
+    tokens = np.asarray(tokens).astype(np.uint64)
+    out = []
+    for seed, order in zip(engram_table_seeds(len(orders), num_heads), engram_table_orders(orders, num_heads)):
+        acc = np.full(tokens.shape, seed, np.uint64)
+        for j in range(order):
+            shifted = np.zeros_like(tokens)
+            shifted[:, j:] = tokens[:, : tokens.shape[1] - j] if j else tokens
+            acc = ((acc ^ shifted) * ENGRAM_HASH_PRIME) & UINT32_MASK
+        acc ^= acc >> ENGRAM_HASH_SHIFT
+        out.append((acc % slots).astype(np.int64))
+    return np.stack(out, axis=-1)
+
+
+def walsh_matrix(n: int) -> np.ndarray:
+    """Sylvester-ordered Walsh-Hadamard matrix [n, n] scaled by 1/sqrt(n) (orthonormal); n a power of two."""
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"Walsh matrix size must be a power of two, got {n}")
+    h = np.ones((1, 1), np.float32)
+    while h.shape[0] < n:
+        h = np.block([[h, h], [h, -h]])
+    return (h / np.sqrt(n)).astype(np.float32)
+
+
+def rope_inverse_frequencies(head_dim: int, theta: float) -> np.ndarray:
+    """inv_freq[i] = theta^(-2i / head_dim), float32 [head_dim // 2] (half-split RoPE)."""
+    return (1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))).astype(np.float32)
+
+
+def hyper_connection_offsets(num_layers: int, lanes: int) -> tuple[np.ndarray, np.ndarray]:
+    """(pre_offset, post_offset), each float32 [num_layers, lanes]."""
+    own = np.eye(lanes, dtype=np.float32)[np.arange(num_layers) % lanes]
+    pre = own * (OWN_LANE_PRE_OFFSET - OTHER_LANE_OFFSET) + OTHER_LANE_OFFSET
+    post = (1.0 - own) * OTHER_LANE_OFFSET
+    return pre.astype(np.float32), post.astype(np.float32)
