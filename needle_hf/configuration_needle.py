@@ -214,8 +214,9 @@ class NeedleConfig(PretrainedConfig):
 
     @property
     def engram_history(self) -> int:
-        """Tokens of history an engram needs at a position: the longest n-gram and the conv reach."""
-        return max(max(self.engram_orders) - 1, (ENGRAM_CONV_TAPS - 1) * self.engram_conv_dilation)
+        """Earlier tokens an engram output depends on: the conv reaches back (taps - 1) * dilation
+        positions, and the n-gram hashed there reaches back max(orders) - 1 more."""
+        return (ENGRAM_CONV_TAPS - 1) * self.engram_conv_dilation + max(self.engram_orders) - 1
 
     @property
     def hadamard_size(self) -> int:

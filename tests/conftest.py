@@ -1,0 +1,16 @@
+"""Shared pytest setup: tests/ on sys.path (for the support modules) and session fixtures."""
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from spm_fixture import FIXTURE_VOCAB_SIZE, train_needle_spm  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def needle_spm_model(tmp_path_factory):
+    """Path of a Needle-style SentencePiece model (FIXTURE_VOCAB_SIZE pieces), trained once per session."""
+    return train_needle_spm(tmp_path_factory.mktemp("needle_spm"), vocab_size=FIXTURE_VOCAB_SIZE)
