@@ -33,6 +33,14 @@ The lossy part is the quantization itself; reading it back is exact, so `read_ca
 the reference's own dequantization. What the blob does not hold: the multi-token-prediction head
 (never exported) and the contrastive head's `log_temp` (a training-only temperature, filled with
 the reference's initial value and listed in `CactModel.filled_defaults`).
+
+Two choices the specification leaves open:
+- The contrastive head has no bias in the reference, and the exporter writes zeros in its slot.
+  A non-zero bias would shift the embeddings and has no place in the model, so it is refused
+  (`CactFormatError`) rather than dropped.
+- CQ levels are read from the header, which holds one set, scaled by 1/sqrt(group) for the group
+  size of the export. Blobs whose 2-4-bit records use more than one group size are refused.
+  (Ternary levels are analytic, so ternary records may use any group size.)
 """
 
 from __future__ import annotations
@@ -63,9 +71,10 @@ TERNARY_LEVEL = 1.2240064
 _TERNARY_CRUMB_TO_LEVEL = np.array([1, 2, -1, 0], np.int8)
 CQ_RECORD_BITS = (2, 3, 4, TERNARY_RECORD_BITS)
 
-# The architecture's fixed engram convolution width and the kv widths a blob may be run at.
+# The architecture's fixed engram convolution width.
 ENGRAM_CONV_TAPS = 4
-KV_BITS = (2, 3, 4, 8)
+# KV-cache widths a blob may ask for: 2-4 bit CQ, or 8 and up (the reference treats >= 8 as int8).
+QUANTIZED_KV_BITS = (2, 3, 4)
 MAX_ORDERS = MAX_SITES = 4
 
 # Probe heads: manifest code -> (native subtree, probes).
@@ -180,9 +189,10 @@ def _fail(source, message):
 
 
 def _parse_geometry(data: bytes, source) -> CactGeometry:
-    if len(data) < 4 or data[:4] != struct.pack("<I", CACT_TAG):
-        found = f"0x{struct.unpack_from('<I', data)[0]:08X}" if len(data) >= 4 else f"{len(data)} byte(s)"
-        _fail(source, f"not a .cact blob: tag {found}, expected 0x{CACT_TAG:08X}")
+    if len(data) < 4:
+        _fail(source, f"not a .cact blob: {len(data)} byte(s), too short even for the tag 0x{CACT_TAG:08X}")
+    if data[:4] != struct.pack("<I", CACT_TAG):
+        _fail(source, f"not a .cact blob: tag 0x{struct.unpack_from('<I', data)[0]:08X}, expected 0x{CACT_TAG:08X}")
     if len(data) < HEADER.size:
         _fail(source, f"truncated: {len(data)} bytes, shorter than the {HEADER.size}-byte header")
     fields = HEADER.unpack_from(data, 0)
@@ -228,7 +238,7 @@ def _check_geometry(g: CactGeometry, source):
          f"engram_conv_dilation {g.engram_conv_dilation}, expected max(engram_orders) = {max(g.engram_orders)}"),
         (len(set(g.engram_layers)) == len(g.engram_layers) and all(s < g.num_layers for s in g.engram_layers),
          f"engram sites {g.engram_layers} must be distinct layers below num_layers {g.num_layers}"),
-        (g.kv_bits in KV_BITS, f"kv_bits {g.kv_bits}, expected one of {KV_BITS}"),
+        (g.kv_bits in QUANTIZED_KV_BITS or g.kv_bits >= 8, f"kv_bits {g.kv_bits}, expected 2, 3, 4 or >= 8"),
         (math.isfinite(g.rope_theta) and g.rope_theta > 0, f"rope_theta {g.rope_theta} is not a positive number"),
     ]
     for ok, message in checks:

@@ -724,8 +724,13 @@ class FlaxNeedlePreTrainedModel(FlaxPreTrainedModel):
         seed: int = 0,
         dtype: jnp.dtype = jnp.float32,
         _do_init: bool = True,
+        _weights_will_load: bool = False,
         **kwargs,
     ):
+        # When `from_pretrained` is about to overwrite every parameter (it has checked the file holds
+        # them all), the initial values only give names and shapes: zeros from `eval_shape` skip
+        # compiling a random init.
+        self._weights_will_load = _weights_will_load
         module = self.module_class(config=config, dtype=dtype, **kwargs)
         super().__init__(config, module, input_shape=input_shape, seed=seed, dtype=dtype, _do_init=_do_init)
 
@@ -733,7 +738,11 @@ class FlaxNeedlePreTrainedModel(FlaxPreTrainedModel):
         input_ids = jnp.zeros(input_shape, dtype="i4")
         attention_mask = jnp.ones_like(input_ids)
         position_ids = jnp.broadcast_to(jnp.arange(input_shape[-1]), input_shape)
-        random_params = self.module.init({"params": rng}, input_ids, attention_mask, position_ids)["params"]
+        init = partial(self.module.init, {"params": rng}, input_ids, attention_mask, position_ids)
+        if self._weights_will_load and params is None:
+            shapes = jax.eval_shape(init)["params"]
+            return jax.tree.map(lambda leaf: jnp.zeros(leaf.shape, leaf.dtype), shapes)
+        random_params = jax.jit(init)()["params"]
         if params is None:
             return random_params
         random_params = flatten_dict(unfreeze(random_params))
@@ -803,6 +812,7 @@ class FlaxNeedlePreTrainedModel(FlaxPreTrainedModel):
             expected = {k: v for k, v in expected.items() if k.startswith(cls._weights_prefix)}
             found = {k: v for k, v in found.items() if k.startswith(cls._weights_prefix)}
         check_tensor_shapes(found, expected, where=str(weights))
+        kwargs.setdefault("_weights_will_load", True)
         return super().from_pretrained(pretrained_model_name_or_path, *model_args, config=config, **kwargs)
 
     def init_cache(self, batch_size: int, max_length: int):

@@ -614,6 +614,22 @@ class NeedlePreTrainedModel(PreTrainedModel):
         return (model, loading_info) if wants_loading_info else model
 
 
+def _local_checkpoint_shape(source, name: str) -> Optional[tuple]:
+    """Shape of tensor ``name`` in the safetensors files of a local folder (None when not found there)."""
+    import os
+
+    from safetensors import safe_open
+
+    if not os.path.isdir(str(source)):
+        return None
+    for file_name in sorted(os.listdir(source)):
+        if file_name.endswith(".safetensors"):
+            with safe_open(os.path.join(source, file_name), framework="pt") as handle:
+                if name in handle.keys():
+                    return tuple(handle.get_slice(name).get_shape())
+    return None
+
+
 def _raise_unless_exact(model: PreTrainedModel, loading_info: dict, source) -> None:
     missing = sorted(loading_info.get("missing_keys") or [])
     unexpected = sorted(loading_info.get("unexpected_keys") or [])
@@ -622,10 +638,10 @@ def _raise_unless_exact(model: PreTrainedModel, loading_info: dict, source) -> N
     for entry in loading_info.get("mismatched_keys") or []:
         # transformers 5.x reports (name, checkpoint shape, model shape); 4.57 reports the name only.
         if isinstance(entry, (tuple, list)):
-            name, found = entry[0], f"got {tuple(entry[1])}"
+            name, found = entry[0], tuple(entry[1])
         else:
-            name, found = entry, "got a different shape"
-        mismatched.append(f"{name}: expected {expected_shapes.get(name)}, {found}")
+            name, found = entry, _local_checkpoint_shape(source, entry)
+        mismatched.append(f"{name}: expected {expected_shapes.get(name)}, got {found or 'a different shape'}")
     if not (missing or unexpected or mismatched):
         return
 
@@ -835,8 +851,6 @@ class NeedleModel(NeedlePreTrainedModel):
         return_dict = return_dict if return_dict is not None else getattr(self.config, "return_dict", True)
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)
-        if not use_cache:
-            cache = None  # an explicit use_cache=False leaves a given cache untouched
 
         batch, length = input_ids.shape
         past_length = cache.get_seq_length() if cache is not None else 0

@@ -4,8 +4,9 @@ huggingface_hub reads `HF_ENDPOINT`, `HF_HOME`, `HF_HUB_DISABLE_XET`... once, wh
 transformers copies some of them at its own import. So the hub is started, and the environment set, in
 `pytest_configure`, before any test module is imported; every test (and every subprocess a test starts)
 then talks to the local hub, with a session-private HF cache, whatever it imports. Register the plugin with
-`pytest_plugins = ["hub_fixtures"]` at the top of tests/conftest.py, and keep that conftest free of
-module-level imports of huggingface_hub, transformers or anything importing them.
+`pytest_plugins = ["hub_fixtures"]` in tests/conftest.py, and keep that conftest's module-level code from
+loading huggingface_hub's settings (`huggingface_hub.constants`, transformers, anything using them): the
+`local_hub` fixture detects it and fails with an explanation.
 
 Fixtures:
     local_hub    (session) the running `LocalHub`; fails with an explanation if huggingface_hub was
@@ -19,12 +20,12 @@ import dataclasses
 import os
 import re
 import shutil
-import sys
 import tempfile
 import uuid
 from pathlib import Path
 
 import pytest
+
 from hub_server import LocalHub, hub_client_environment
 
 
@@ -33,8 +34,6 @@ class _SessionHub:
     hub: LocalHub
     scratch: Path
     saved_environment: dict[str, str | None]
-    # Set when huggingface_hub was already imported at configure time: it then ignores HF_ENDPOINT.
-    imported_too_early: bool
 
 
 _SESSION_HUB = pytest.StashKey[_SessionHub]()
@@ -43,7 +42,9 @@ _SESSION_HUB = pytest.StashKey[_SessionHub]()
 def pytest_configure(config: pytest.Config) -> None:
     scratch = Path(tempfile.mkdtemp(prefix="needle-hf-local-hub-"))
     hub = LocalHub(scratch / "server").start()
-    environment = hub_client_environment(os.environ, endpoint=hub.endpoint, token=hub.token, hf_home=scratch / "hf_home")
+    environment = hub_client_environment(
+        os.environ, endpoint=hub.endpoint, token=hub.token, hf_home=scratch / "hf_home"
+    )
     changed = {key for key in environment.keys() | os.environ.keys() if environment.get(key) != os.environ.get(key)}
     saved = {key: os.environ.get(key) for key in changed}
     for key in changed:
@@ -51,9 +52,7 @@ def pytest_configure(config: pytest.Config) -> None:
             os.environ[key] = environment[key]
         else:
             del os.environ[key]
-    config.stash[_SESSION_HUB] = _SessionHub(
-        hub=hub, scratch=scratch, saved_environment=saved, imported_too_early="huggingface_hub" in sys.modules
-    )
+    config.stash[_SESSION_HUB] = _SessionHub(hub=hub, scratch=scratch, saved_environment=saved)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -77,11 +76,12 @@ def local_hub(pytestconfig: pytest.Config) -> LocalHub:
         pytest.fail("the local hub is not running: add `pytest_plugins = ['hub_fixtures']` to tests/conftest.py")
     from huggingface_hub import constants
 
-    if session.imported_too_early or constants.ENDPOINT != session.hub.endpoint:
+    # huggingface_hub's package import is lazy; its settings are frozen when `huggingface_hub.constants` loads.
+    if constants.ENDPOINT != session.hub.endpoint:
         pytest.fail(
-            f"huggingface_hub uses endpoint {constants.ENDPOINT!r}, not the local hub {session.hub.endpoint!r}: it was "
-            "imported before hub_fixtures.pytest_configure set HF_ENDPOINT. Keep huggingface_hub, transformers and "
-            "modules importing them out of conftest.py's module-level imports."
+            f"huggingface_hub uses endpoint {constants.ENDPOINT!r}, not the local hub {session.hub.endpoint!r}: "
+            "huggingface_hub.constants was loaded before hub_fixtures.pytest_configure set HF_ENDPOINT. Keep "
+            "huggingface_hub, transformers and modules using them out of conftest.py's module-level code."
         )
     return session.hub
 

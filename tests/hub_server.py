@@ -45,6 +45,10 @@ batch API always picks `basic`), multipart LFS uploads, gitignore handling in `p
 is always false), README metadata parsing (`validate-yaml` only rejects an unterminated front matter),
 tags creation, discussions. Repository ids must be namespaced (`user/name`).
 
+Hooks for tests: `LocalHub.git_dir(repo_id)` (inspect what git really stores), `served_requests()` (what the
+client asked for, with status and Range), `interrupt_downloads(...)` (drop a download mid-body, as a broken
+connection would).
+
 Run it by hand with `python tests/hub_server.py --root /tmp/hub`; tests use the fixtures in
 `tests/hub_fixtures.py`.
 """
@@ -71,6 +75,7 @@ import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import BinaryIO
 from urllib.parse import parse_qs, quote, unquote, urlsplit
 
 logger = logging.getLogger(__name__)
@@ -91,10 +96,42 @@ DEFAULT_BRANCH = "main"
 DEFAULT_GITATTRIBUTES = "".join(
     f"{pattern} filter=lfs diff=lfs merge=lfs -text\n"
     for pattern in (
-        "*.7z", "*.arrow", "*.bin", "*.bz2", "*.ckpt", "*.ftz", "*.gguf", "*.gz", "*.h5", "*.joblib",
-        "*.lfs.*", "*.mlmodel", "*.model", "*.msgpack", "*.npy", "*.npz", "*.onnx", "*.ot", "*.parquet",
-        "*.pb", "*.pickle", "*.pkl", "*.pt", "*.pth", "*.rar", "*.safetensors", "saved_model/**/*",
-        "*.tar.*", "*.tar", "*.tflite", "*.tgz", "*.wasm", "*.xz", "*.zip", "*.zst", "*tfevents*",
+        "*.7z",
+        "*.arrow",
+        "*.bin",
+        "*.bz2",
+        "*.ckpt",
+        "*.ftz",
+        "*.gguf",
+        "*.gz",
+        "*.h5",
+        "*.joblib",
+        "*.lfs.*",
+        "*.mlmodel",
+        "*.model",
+        "*.msgpack",
+        "*.npy",
+        "*.npz",
+        "*.onnx",
+        "*.ot",
+        "*.parquet",
+        "*.pb",
+        "*.pickle",
+        "*.pkl",
+        "*.pt",
+        "*.pth",
+        "*.rar",
+        "*.safetensors",
+        "saved_model/**/*",
+        "*.tar.*",
+        "*.tar",
+        "*.tflite",
+        "*.tgz",
+        "*.wasm",
+        "*.xz",
+        "*.zip",
+        "*.zst",
+        "*tfevents*",
     )
 )
 
@@ -198,7 +235,7 @@ class Deletion:
 
 def _hub_datetime(timestamp: float) -> str:
     """The Hub's date format, `2024-05-01T12:00:00.000Z` (UTC)."""
-    moment = datetime.datetime.fromtimestamp(timestamp, tz=datetime.timezone.utc)
+    moment = datetime.datetime.fromtimestamp(timestamp, tz=datetime.UTC)
     return moment.strftime("%Y-%m-%dT%H:%M:%S.") + f"{moment.microsecond // 1000:03d}Z"
 
 
@@ -387,7 +424,9 @@ class GitRepository:
             fields = line.split(" ")
             if len(fields) == 3 and COMMIT_ID.fullmatch(fields[0]) and fields[1] in ("blob", "tree"):
                 kind = "file" if fields[1] == "blob" else "directory"
-                entries.append(TreeEntry(path=path, kind=kind, oid=fields[0], size=int(fields[2]) if kind == "file" else 0))
+                entries.append(
+                    TreeEntry(path=path, kind=kind, oid=fields[0], size=int(fields[2]) if kind == "file" else 0)
+                )
         return {entry.path: entry for entry in self._with_lfs_pointers(entries)}
 
     def entry(self, commit: str, path: str) -> TreeEntry | None:
@@ -444,7 +483,11 @@ class GitRepository:
             "GIT_COMMITTER_EMAIL": f"{author}@users.noreply.localhost",
         }
         parents = ["-p", parent] if parent else []
-        return self.git("commit-tree", tree, *parents, "-F", "-", stdin=message.encode(), environment=identity).decode().strip()
+        return (
+            self.git("commit-tree", tree, *parents, "-F", "-", stdin=message.encode(), environment=identity)
+            .decode()
+            .strip()
+        )
 
     def commit(
         self,
@@ -510,7 +553,9 @@ class GitRepository:
         destination.parent.mkdir(parents=True, exist_ok=True)
         digest = hashlib.sha256()
         received = 0
-        with tempfile.NamedTemporaryFile(dir=destination.parent, prefix=f"{oid}.", suffix=".part", delete=False) as part:
+        with tempfile.NamedTemporaryFile(
+            dir=destination.parent, prefix=f"{oid}.", suffix=".part", delete=False
+        ) as part:
             try:
                 for chunk in chunks:
                     digest.update(chunk)
@@ -611,7 +656,7 @@ def _error_reply(error: HubError) -> Reply:
 class RequestBody:
     """The request body, read lazily from the socket; handles `Content-Length` and chunked encoding."""
 
-    def __init__(self, stream, headers):
+    def __init__(self, stream: BinaryIO, headers: Mapping[str, str]):
         self._stream = stream
         self._chunked = "chunked" in headers.get("Transfer-Encoding", "").lower()
         self._remaining = int(headers.get("Content-Length") or 0)
@@ -726,7 +771,9 @@ class HubApplication:
     def handle(self, request: Request) -> Reply:
         reply = self._route(request)
         with self._served_lock:
-            self._served.append(ServedRequest(request.method, unquote(request.path), reply.status, request.headers.get("Range")))
+            self._served.append(
+                ServedRequest(request.method, unquote(request.path), reply.status, request.headers.get("Range"))
+            )
         return reply
 
     def served_requests(self) -> list[ServedRequest]:
@@ -742,14 +789,17 @@ class HubApplication:
                     continue
                 route_found = True
                 if request.method in methods:
-                    request.params = {key: unquote(value) for key, value in match.groupdict().items() if value is not None}
+                    request.params = {
+                        key: unquote(value) for key, value in match.groupdict().items() if value is not None
+                    }
                     return handler(request)
             if route_found:
                 raise HubError(405, f"{request.method} is not supported on {request.path}")
             raise HubError(404, f"this local hub has no endpoint for {request.method} {request.path}")
         except HubError as error:
             return _error_reply(error)
-        except Exception as error:  # a bug or a git failure: answer 500 with the cause instead of dropping the connection
+        except Exception as error:
+            # A bug or a git failure: answer 500 with the cause rather than dropping the connection.
             logger.exception("local hub failed while serving %s %s", request.method, request.path)
             return _error_reply(HubError(500, f"internal error in the local hub: {type(error).__name__}: {error}"))
 
@@ -932,7 +982,11 @@ class HubApplication:
         entries = record.git.describe_paths(commit, wanted)
         is_expanded = expand.lower() in ("1", "true")
         return _json_reply(
-            [self._tree_entry_json(record, commit, entries[path], expand=is_expanded) for path in wanted if path in entries]
+            [
+                self._tree_entry_json(record, commit, entries[path], expand=is_expanded)
+                for path in wanted
+                if path in entries
+            ]
         )
 
     def list_commits(self, request: Request) -> Reply:
@@ -954,7 +1008,12 @@ class HubApplication:
     def list_refs(self, request: Request) -> Reply:
         record = self._repository(request)
         groups: dict[str, list[dict]] = {"branches": [], "converts": [], "tags": [], "pullRequests": []}
-        prefixes = {"refs/heads/": "branches", "refs/convert/": "converts", "refs/tags/": "tags", "refs/pr/": "pullRequests"}
+        prefixes = {
+            "refs/heads/": "branches",
+            "refs/convert/": "converts",
+            "refs/tags/": "tags",
+            "refs/pr/": "pullRequests",
+        }
         for ref, target in record.git.refs():
             for prefix, group in prefixes.items():
                 if ref.startswith(prefix):
@@ -970,7 +1029,10 @@ class HubApplication:
         entry = record.git.entry(commit, path)
         if entry is None or entry.kind != "file":
             raise HubError(
-                404, f"Entry not found: {path} at {commit}", error_code="EntryNotFound", headers={"X-Repo-Commit": commit}
+                404,
+                f"Entry not found: {path} at {commit}",
+                error_code="EntryNotFound",
+                headers={"X-Repo-Commit": commit},
             )
         headers = {
             "X-Repo-Commit": commit,
@@ -994,7 +1056,9 @@ class HubApplication:
             else:
                 start, end = max(size - int(last), 0), size - 1
             if start >= size or end < start:
-                raise HubError(416, f"Range {range_header!r} outside {size} bytes", headers={"Content-Range": f"bytes */{size}"})
+                raise HubError(
+                    416, f"Range {range_header!r} outside {size} bytes", headers={"Content-Range": f"bytes */{size}"}
+                )
             start, length, status = start, end - start + 1, 206
             headers["Content-Range"] = f"bytes {start}-{end}/{size}"
         if request.method == "HEAD":
@@ -1029,7 +1093,7 @@ class HubApplication:
         paths = [_normalise_repo_path(str(item.get("path", ""))) for item in files]
         existing = record.git.describe_paths(commit, paths)
         answers = []
-        for item, path in zip(files, paths):
+        for item, path in zip(files, paths, strict=True):
             try:
                 sample = base64.b64decode(item.get("sample", ""), validate=True)
             except binascii.Error as error:
@@ -1051,7 +1115,9 @@ class HubApplication:
                 key, value = item["key"], item["value"]
                 operation = self._parse_commit_operation(record, key, value)
             except (ValueError, KeyError, TypeError) as error:  # binascii.Error is a ValueError
-                raise HubError(400, f"commit payload line {number} is malformed: {type(error).__name__}: {error}") from error
+                raise HubError(
+                    400, f"commit payload line {number} is malformed: {type(error).__name__}: {error}"
+                ) from error
             if key == "header":
                 header = value
             elif operation is not None:
@@ -1062,7 +1128,9 @@ class HubApplication:
             raise HubError(400, "commit payload needs a header with a non-empty summary")
         return header, operations
 
-    def _parse_commit_operation(self, record: RepositoryRecord, key: str, value: dict) -> FileAddition | Deletion | None:
+    def _parse_commit_operation(
+        self, record: RepositoryRecord, key: str, value: dict
+    ) -> FileAddition | Deletion | None:
         """One NDJSON operation; None for the header or an unknown key."""
         if key == "header":
             return None
@@ -1110,7 +1178,12 @@ class HubApplication:
             numbers = [int(ref.removeprefix("refs/pr/")) for ref, _ in record.git.refs() if ref.startswith("refs/pr/")]
             number = max(numbers, default=0) + 1
             commit = record.git.commit(
-                ref=f"refs/pr/{number}", base=base, operations=operations, message=message, author=author, create_ref=True
+                ref=f"refs/pr/{number}",
+                base=base,
+                operations=operations,
+                message=message,
+                author=author,
+                create_ref=True,
             )
             pull_request_url = f"{self.repo_url(record.repo_id)}/discussions/{number}"
         else:
@@ -1135,9 +1208,13 @@ class HubApplication:
         record = self._repository(request, write=True)
         payload = self._json_object(request)
         if payload.get("operation") != "upload":
-            raise HubError(400, f"this local hub's LFS batch API only supports 'upload', got {payload.get('operation')!r}")
+            raise HubError(
+                400, f"this local hub's LFS batch API only supports 'upload', got {payload.get('operation')!r}"
+            )
         if "basic" not in payload.get("transfers", ["basic"]):
-            raise HubError(400, f"only the 'basic' transfer adapter is available, client offered {payload.get('transfers')}")
+            raise HubError(
+                400, f"only the 'basic' transfer adapter is available, client offered {payload.get('transfers')}"
+            )
         answers = []
         for item in payload.get("objects", []):
             oid, size = item.get("oid"), item.get("size")
@@ -1172,8 +1249,10 @@ class HubApplication:
         oid = request.params["oid"]
         size_text = request.query.get("size", [""])[-1]
         signature = request.query.get("signature", [""])[-1]
-        if record is None or not size_text.isdigit() or not hmac.compare_digest(
-            signature, self._upload_signature(request.repo_id, oid, int(size_text))
+        if (
+            record is None
+            or not size_text.isdigit()
+            or not hmac.compare_digest(signature, self._upload_signature(request.repo_id, oid, int(size_text)))
         ):
             raise HubError(403, "upload URL signature does not match")
         record.git.store_lfs_object(oid, int(size_text), request.body.chunks())
@@ -1283,7 +1362,13 @@ class LocalHub:
     """
 
     def __init__(
-        self, root: Path, *, token: str = DEFAULT_TOKEN, user: str = DEFAULT_USER, host: str = "127.0.0.1", port: int = 0
+        self,
+        root: Path,
+        *,
+        token: str = DEFAULT_TOKEN,
+        user: str = DEFAULT_USER,
+        host: str = "127.0.0.1",
+        port: int = 0,
     ):
         self.root = Path(root)
         self.token = token
@@ -1365,8 +1450,17 @@ def hub_client_environment(base: Mapping[str, str], *, endpoint: str, token: str
         key: value
         for key, value in base.items()
         # Cache locations that would override HF_HOME, and settings that would bypass the endpoint.
-        if key not in ("HUGGINGFACE_HUB_CACHE", "HUGGINGFACE_ASSETS_CACHE", "TRANSFORMERS_CACHE", "HF_TOKEN_PATH",
-                       "HF_XET_CACHE", "HF_HUB_CACHE", "HF_ASSETS_CACHE", "HUGGING_FACE_HUB_TOKEN")
+        if key
+        not in (
+            "HUGGINGFACE_HUB_CACHE",
+            "HUGGINGFACE_ASSETS_CACHE",
+            "TRANSFORMERS_CACHE",
+            "HF_TOKEN_PATH",
+            "HF_XET_CACHE",
+            "HF_HUB_CACHE",
+            "HF_ASSETS_CACHE",
+            "HUGGING_FACE_HUB_TOKEN",
+        )
     }
     no_proxy = ",".join(filter(None, [base.get("NO_PROXY") or base.get("no_proxy"), "127.0.0.1", "localhost"]))
     environment.update(

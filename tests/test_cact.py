@@ -10,6 +10,7 @@ import pytest
 from needle_hf import NeedleConfig
 from needle_hf.conversion import SourceFormat, UnknownSourceFormatError, detect_source_format
 from needle_hf.conversion.cact import CactFormatError, is_cact, read_cact, read_cact_tensors
+from needle_hf.conversion.native_checkpoint import is_native_checkpoint
 from needle_hf.weight_names import native_to_hf, optional_heads_in_native, weight_specs
 from needle_reference import (
     BASE_NATIVE_CONFIG,
@@ -266,7 +267,8 @@ def test_needle2_geometry_blob_reads_exactly(tmp_path):
     assert (config.hidden_size, config.num_hidden_layers, config.engram_num_heads, config.engram_num_tables) == (512, 27, 2, 4)
     assert config.vocab_size == 8192 and config.engram_slots == 8192 and config.engram_layers == [2, 15]
     hf = native_to_hf(model.params, config)
-    assert sum(value.size for value in hf.values()) == 43_634_294  # 44,938,997 minus the MTP head
+    # 44,938,997 parameters, minus the MTP head (1,577,089), plus both probe heads (264,193 + 8,193).
+    assert sum(value.size for value in hf.values()) == 43_634_294
     original = dict(_leaves(exported))
     for leaf_path, value in _leaves(model.params):
         if not _is_quantized_leaf(leaf_path) and leaf_path != ("contrastive_head", "log_temp"):
@@ -415,10 +417,12 @@ def test_detect_source_format_by_content(blobs, params, tmp_path):
     renamed = tmp_path / "weights.bin"
     renamed.write_bytes(cact_path.read_bytes())
     assert is_cact(renamed) and detect_source_format(renamed) == SourceFormat.CACT
+    assert not is_native_checkpoint(renamed)
 
     pkl = tmp_path / "model.cact"  # a misleading extension: content decides
     write_native_checkpoint(pkl, params, CONFIG)
-    assert not is_cact(pkl) and detect_source_format(pkl) == SourceFormat.NATIVE_CHECKPOINT
+    assert not is_cact(pkl) and is_native_checkpoint(pkl)
+    assert detect_source_format(pkl) == SourceFormat.NATIVE_CHECKPOINT
 
     safetensors_path = tmp_path / "model.safetensors"
     save_file({"model.norm.weight": np.zeros(4, np.float32)}, str(safetensors_path))

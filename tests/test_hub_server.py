@@ -8,9 +8,11 @@ hashlib, LFS pointers from the Git LFS spec, git facts with the git command line
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib
 import json
+import os
 import subprocess
 import urllib.error
 import urllib.request
@@ -35,8 +37,9 @@ from huggingface_hub.utils import (
     RepositoryNotFoundError,
     RevisionNotFoundError,
 )
-from hub_server import LocalHub
 from safetensors.numpy import save_file
+
+from hub_server import LocalHub
 
 # float32 elements of the test checkpoint: 2.7M * 4 bytes = 10.8 MB, above the Hub's 10 MB LFS threshold.
 LARGE_CHECKPOINT_ELEMENTS = 2_700_000
@@ -46,7 +49,11 @@ def _connection_error_types() -> tuple[type[BaseException], ...]:
     """What huggingface_hub raises when nothing listens, for whichever HTTP library this version uses:
     requests before 1.0, httpx in 1.x, httpx2 from 2.0."""
     types = []
-    for module_name, class_name in (("requests.exceptions", "ConnectionError"), ("httpx", "ConnectError"), ("httpx2", "ConnectError")):
+    for module_name, class_name in (
+        ("requests.exceptions", "ConnectionError"),
+        ("httpx", "ConnectError"),
+        ("httpx2", "ConnectError"),
+    ):
         try:
             types.append(getattr(importlib.import_module(module_name), class_name))
         except ImportError:
@@ -70,9 +77,7 @@ def lfs_pointer_text(content: bytes) -> bytes:
 
 def git(hub: LocalHub, repo_id: str, *args: str) -> bytes:
     """Run git on the bare repository that backs `repo_id`."""
-    return subprocess.run(
-        ["git", f"--git-dir={hub.git_dir(repo_id)}", *args], check=True, capture_output=True
-    ).stdout
+    return subprocess.run(["git", f"--git-dir={hub.git_dir(repo_id)}", *args], check=True, capture_output=True).stdout
 
 
 def read_folder(folder: Path) -> dict[str, bytes]:
@@ -112,8 +117,19 @@ def checkpoint_bytes(seed: int, folder: Path) -> bytes:
 README = b"---\nlicense: apache-2.0\nlibrary_name: transformers\n---\n# Needle test model\n"
 
 
+@dataclasses.dataclass(frozen=True)
+class PushedHistory:
+    """A repository on the local hub holding two pushes of a model folder."""
+
+    repo_id: str
+    first_files: dict[str, bytes]
+    second_files: dict[str, bytes]
+    first_commit: str
+    second_commit: str
+
+
 @pytest.fixture(scope="module")
-def history(local_hub: LocalHub, tmp_path_factory: pytest.TempPathFactory) -> dict:
+def history(local_hub: LocalHub, tmp_path_factory: pytest.TempPathFactory) -> PushedHistory:
     """A repository with two pushed versions of a model folder (LFS checkpoint, json files, a nested file).
 
     The second push changes the checkpoint and config.json and leaves the other files alone.
@@ -139,13 +155,18 @@ def history(local_hub: LocalHub, tmp_path_factory: pytest.TempPathFactory) -> di
     second = api.upload_folder(
         repo_id=repo_id, folder_path=write_folder(scratch / "v2", version_2), commit_message="Update model to v2"
     )
-    return {"repo_id": repo_id, "v1": version_1, "v2": version_2, "first": first.oid, "second": second.oid}
+    return PushedHistory(repo_id, version_1, version_2, first.oid, second.oid)
 
 
-def test_client_defaults_point_at_the_local_hub(local_hub: LocalHub, tmp_path: Path):
+def test_client_defaults_point_at_the_local_hub(local_hub: LocalHub, hub_repo_id: str):
     assert constants.ENDPOINT == local_hub.endpoint
     assert constants.HF_HUB_DISABLE_XET
     assert HfApi().whoami()["name"] == local_hub.user
+
+    # No endpoint, token or cache_dir given: the download lands in the session's private HF_HOME.
+    HfApi().create_repo(hub_repo_id)
+    downloaded = Path(hf_hub_download(hub_repo_id, ".gitattributes"))
+    assert downloaded.is_relative_to(os.environ["HF_HOME"])
 
 
 def test_new_repo_has_the_hub_initial_commit_and_conflicts_unless_exist_ok(local_hub: LocalHub, hub_repo_id: str):
@@ -164,35 +185,37 @@ def test_new_repo_has_the_hub_initial_commit_and_conflicts_unless_exist_ok(local
     assert git(local_hub, hub_repo_id, "rev-parse", "refs/heads/main").decode().strip() == initial.commit_id
 
 
-def test_snapshot_download_returns_the_pushed_files_byte_for_byte(history: dict, tmp_path: Path):
-    snapshot = Path(snapshot_download(history["repo_id"], cache_dir=tmp_path))
+def test_snapshot_download_returns_the_pushed_files_byte_for_byte(history: PushedHistory, tmp_path: Path):
+    snapshot = Path(snapshot_download(history.repo_id, cache_dir=tmp_path))
 
     downloaded = read_folder(snapshot)
     assert downloaded.pop(".gitattributes").count(b"*.safetensors filter=lfs") == 1
-    assert downloaded == history["v2"]
-    assert snapshot.name == history["second"]
+    assert downloaded == history.second_files
+    assert snapshot.name == history.second_commit
+    siblings = HfApi().model_info(history.repo_id).siblings
+    assert sorted(sibling.rfilename for sibling in siblings) == sorted([".gitattributes", *history.second_files])
     assert_cache_holds_only_complete_files(tmp_path)
 
 
-def test_revision_set_to_the_first_commit_returns_the_old_bytes(history: dict, tmp_path: Path):
-    repo_id, first = history["repo_id"], history["first"]
-    assert history["v1"]["model.safetensors"] != history["v2"]["model.safetensors"]
+def test_revision_set_to_the_first_commit_returns_the_old_bytes(history: PushedHistory, tmp_path: Path):
+    repo_id, first = history.repo_id, history.first_commit
+    assert history.first_files["model.safetensors"] != history.second_files["model.safetensors"]
 
     for name in ("model.safetensors", "config.json"):
         old = hf_hub_download(repo_id, name, revision=first, cache_dir=tmp_path)
         new = hf_hub_download(repo_id, name, cache_dir=tmp_path)
-        assert Path(old).read_bytes() == history["v1"][name]
-        assert Path(new).read_bytes() == history["v2"][name]
+        assert Path(old).read_bytes() == history.first_files[name]
+        assert Path(new).read_bytes() == history.second_files[name]
 
     old_snapshot = read_folder(Path(snapshot_download(repo_id, revision=first, cache_dir=tmp_path)))
     old_snapshot.pop(".gitattributes")
-    assert old_snapshot == history["v1"]
+    assert old_snapshot == history.first_files
     assert HfApi().model_info(repo_id, revision=first).sha == first
-    assert HfApi().model_info(repo_id).sha == history["second"]
+    assert HfApi().model_info(repo_id).sha == history.second_commit
 
 
-def test_commits_are_real_git_commits_on_main(history: dict, local_hub: LocalHub):
-    repo_id, first, second = history["repo_id"], history["first"], history["second"]
+def test_commits_are_real_git_commits_on_main(history: PushedHistory, local_hub: LocalHub):
+    repo_id, first, second = history.repo_id, history.first_commit, history.second_commit
 
     commits = HfApi().list_repo_commits(repo_id)
 
@@ -204,8 +227,8 @@ def test_commits_are_real_git_commits_on_main(history: dict, local_hub: LocalHub
     assert git(local_hub, repo_id, "rev-parse", "main", f"{second}^").decode().split() == [second, first]
 
 
-def test_large_and_weight_files_are_committed_as_lfs_pointers(history: dict, local_hub: LocalHub):
-    repo_id, v2 = history["repo_id"], history["v2"]
+def test_large_and_weight_files_are_committed_as_lfs_pointers(history: PushedHistory, local_hub: LocalHub):
+    repo_id, v2 = history.repo_id, history.second_files
 
     assert git(local_hub, repo_id, "show", "main:model.safetensors") == lfs_pointer_text(v2["model.safetensors"])
     assert git(local_hub, repo_id, "show", "main:config.json") == v2["config.json"]
@@ -222,24 +245,27 @@ def test_large_and_weight_files_are_committed_as_lfs_pointers(history: dict, loc
     assert folder.path == "templates"
 
 
-def test_resolve_headers_identify_the_content_like_the_hub(history: dict, local_hub: LocalHub):
-    repo_id, v2 = history["repo_id"], history["v2"]
+def test_resolve_headers_identify_the_content_like_the_hub(history: PushedHistory, local_hub: LocalHub):
+    repo_id, v2 = history.repo_id, history.second_files
 
     checkpoint = get_hf_file_metadata(hf_hub_url(repo_id, "model.safetensors"))
-    config = get_hf_file_metadata(hf_hub_url(repo_id, "config.json", revision=history["first"]))
+    config = get_hf_file_metadata(hf_hub_url(repo_id, "config.json", revision=history.first_commit))
 
-    assert checkpoint.commit_hash == history["second"]
+    assert checkpoint.commit_hash == history.second_commit
     assert checkpoint.etag == hashlib.sha256(v2["model.safetensors"]).hexdigest()
     assert checkpoint.size == len(v2["model.safetensors"])
-    assert config.commit_hash == history["first"]
-    assert config.etag == git_blob_id(history["v1"]["config.json"])
-    assert config.size == len(history["v1"]["config.json"])
+    assert config.commit_hash == history.first_commit
+    assert config.etag == git_blob_id(history.first_files["config.json"])
+    assert config.size == len(history.first_files["config.json"])
 
     # A resumed download asks for the rest of the file with a Range header.
     ranged = urllib.request.Request(hf_hub_url(repo_id, "model.safetensors"), headers={"Range": "bytes=1000-"})
     with urllib.request.urlopen(ranged) as response:
         assert response.status == 206
-        assert response.headers["Content-Range"] == f"bytes 1000-{len(v2['model.safetensors']) - 1}/{len(v2['model.safetensors'])}"
+        assert (
+            response.headers["Content-Range"]
+            == f"bytes 1000-{len(v2['model.safetensors']) - 1}/{len(v2['model.safetensors'])}"
+        )
         assert response.read() == v2["model.safetensors"][1000:]
 
 
@@ -258,12 +284,24 @@ def test_repushing_unchanged_files_makes_no_new_commit(hub_repo_id: str, local_h
 
     assert again.oid == first.oid
     assert len(api.list_repo_commits(hub_repo_id)) == 2  # initial commit + first push
-    assert git(local_hub, hub_repo_id, "show", "main:adapter.safetensors") == lfs_pointer_text(files["adapter.safetensors"])
+    assert git(local_hub, hub_repo_id, "show", "main:adapter.safetensors") == lfs_pointer_text(
+        files["adapter.safetensors"]
+    )
 
     (folder / "config.json").write_bytes(b'{"hidden_size": 128}')
     changed = api.upload_folder(repo_id=hub_repo_id, folder_path=folder)
     assert changed.oid != first.oid
     assert git(local_hub, hub_repo_id, "diff", "--name-only", first.oid, changed.oid) == b"config.json\n"
+
+
+def test_readme_metadata_is_validated_before_anything_is_uploaded(hub_repo_id: str):
+    api = HfApi()
+    api.create_repo(hub_repo_id)
+    unterminated = b"---\nlicense: apache-2.0\n# the closing --- is missing\n"
+
+    with pytest.raises(ValueError, match="Invalid metadata in README.md"):
+        api.upload_file(path_or_fileobj=unterminated, path_in_repo="README.md", repo_id=hub_repo_id)
+    assert api.list_repo_files(hub_repo_id) == [".gitattributes"]
 
 
 def test_deleted_file_disappears_from_main_but_stays_in_history(hub_repo_id: str, tmp_path: Path):
@@ -288,7 +326,10 @@ def test_push_to_a_branch_leaves_main_untouched(hub_repo_id: str, tmp_path: Path
 
     assert api.list_repo_files(hub_repo_id, revision="experiment") == [".gitattributes", "config.json"]
     assert api.list_repo_files(hub_repo_id) == [".gitattributes"]
-    assert Path(hf_hub_download(hub_repo_id, "config.json", revision="experiment", cache_dir=tmp_path)).read_bytes() == b"{}"
+    assert (
+        Path(hf_hub_download(hub_repo_id, "config.json", revision="experiment", cache_dir=tmp_path)).read_bytes()
+        == b"{}"
+    )
 
 
 def test_unknown_repo_raises_repository_not_found(tmp_path: Path):
@@ -301,20 +342,20 @@ def test_unknown_repo_raises_repository_not_found(tmp_path: Path):
 
 
 @pytest.mark.parametrize("revision", ["no-such-branch", "0123456789abcdef0123456789abcdef01234567", "main~1"])
-def test_unknown_revision_raises_revision_not_found(history: dict, revision: str, tmp_path: Path):
+def test_unknown_revision_raises_revision_not_found(history: PushedHistory, revision: str, tmp_path: Path):
     with pytest.raises(RevisionNotFoundError):
-        hf_hub_download(history["repo_id"], "config.json", revision=revision, cache_dir=tmp_path)
+        hf_hub_download(history.repo_id, "config.json", revision=revision, cache_dir=tmp_path)
     with pytest.raises(RevisionNotFoundError):
-        HfApi().model_info(history["repo_id"], revision=revision)
+        HfApi().model_info(history.repo_id, revision=revision)
     assert_cache_holds_only_complete_files(tmp_path)
     assert not list(tmp_path.rglob("blobs/*"))
 
 
-def test_missing_file_raises_entry_not_found(history: dict, tmp_path: Path):
+def test_missing_file_raises_entry_not_found(history: PushedHistory, tmp_path: Path):
     with pytest.raises(EntryNotFoundError):
-        hf_hub_download(history["repo_id"], "pytorch_model.bin", cache_dir=tmp_path)
+        hf_hub_download(history.repo_id, "pytorch_model.bin", cache_dir=tmp_path)
     with pytest.raises(EntryNotFoundError):
-        hf_hub_download(history["repo_id"], "templates", cache_dir=tmp_path)  # a folder is not a file
+        hf_hub_download(history.repo_id, "templates", cache_dir=tmp_path)  # a folder is not a file
     assert_cache_holds_only_complete_files(tmp_path)
     assert not list(tmp_path.rglob("blobs/*"))
 
@@ -332,8 +373,10 @@ def test_private_repo_is_hidden_from_anonymous_callers(hub_repo_id: str, tmp_pat
     assert Path(hf_hub_download(hub_repo_id, "config.json", cache_dir=tmp_path / "owner")).read_bytes() == b"{}"
 
 
-def test_interrupted_download_resumes_and_never_leaves_a_truncated_file(history: dict, local_hub: LocalHub, tmp_path: Path):
-    repo_id, expected = history["repo_id"], history["v2"]["model.safetensors"]
+def test_interrupted_download_resumes_and_never_leaves_a_truncated_file(
+    history: PushedHistory, local_hub: LocalHub, tmp_path: Path
+):
+    repo_id, expected = history.repo_id, history.second_files["model.safetensors"]
     # Past huggingface_hub's 10 MiB read size, so that the client has written part of the file when the
     # connection drops.
     cut = len(expected) - 100_000
