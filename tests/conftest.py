@@ -7,6 +7,9 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+# Starts the local Hub and points HF_ENDPOINT/HF_HOME/HF_TOKEN at it before anything imports huggingface_hub.
+pytest_plugins = ["hub_fixtures"]
+
 from spm_fixture import FIXTURE_VOCAB_SIZE, train_needle_spm  # noqa: E402
 
 

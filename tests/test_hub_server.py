@@ -274,7 +274,8 @@ def test_repushing_unchanged_files_makes_no_new_commit(hub_repo_id: str, local_h
     api.create_repo(hub_repo_id)
     files = {
         "config.json": b'{"hidden_size": 64}',
-        "adapter.safetensors": b"\x08\x00\x00\x00\x00\x00\x00\x00{}      ",  # small, LFS by extension
+        "adapter.safetensors": b"small text, LFS only because of the extension",
+        "vocab.dat": bytes(range(256)),  # small, LFS because it is binary
         "README.md": README,
     }
     folder = write_folder(tmp_path / "model", files)
@@ -284,9 +285,9 @@ def test_repushing_unchanged_files_makes_no_new_commit(hub_repo_id: str, local_h
 
     assert again.oid == first.oid
     assert len(api.list_repo_commits(hub_repo_id)) == 2  # initial commit + first push
-    assert git(local_hub, hub_repo_id, "show", "main:adapter.safetensors") == lfs_pointer_text(
-        files["adapter.safetensors"]
-    )
+    for name in ("adapter.safetensors", "vocab.dat"):
+        assert git(local_hub, hub_repo_id, "show", f"main:{name}") == lfs_pointer_text(files[name])
+    assert git(local_hub, hub_repo_id, "show", "main:config.json") == files["config.json"]
 
     (folder / "config.json").write_bytes(b'{"hidden_size": 128}')
     changed = api.upload_folder(repo_id=hub_repo_id, folder_path=folder)

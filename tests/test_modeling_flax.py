@@ -1,0 +1,230 @@
+"""FlaxNeedleForCausalLM computes what the reference Needle 2 computes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+import needle_hf  # noqa: F401  (registers the Auto classes)
+from flax_support import random_tokens, write_hf_folder
+from needle_reference import (
+    BASE_NATIVE_CONFIG,
+    TINY_NATIVE_CONFIG,
+    make_native_params,
+    reference_heads,
+    reference_logits,
+)
+from needle_hf.modeling_flax_needle import FlaxNeedleForCausalLM, FlaxNeedleModel
+from needle_hf.weight_names import WeightMappingError, hf_weight_shapes
+from transformers import FlaxAutoModelForCausalLM
+
+SEEDS = (0, 1, 2)
+F32_TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoints(tmp_path_factory):
+    """{seed: (folder, native params)} for the tiny config, every leaf perturbed."""
+    out = {}
+    for seed in SEEDS:
+        params = make_native_params(TINY_NATIVE_CONFIG, seed)
+        folder = tmp_path_factory.mktemp(f"tiny{seed}")
+        write_hf_folder(folder, TINY_NATIVE_CONFIG, params)
+        out[seed] = (str(folder), params)
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tiny_checkpoints):
+    return FlaxNeedleForCausalLM.from_pretrained(tiny_checkpoints[0][0])
+
+
+def _forward(model, tokens, attention_mask=None):
+    fn = jax.jit(lambda p, t, m: model(t, attention_mask=m, params=p, output_mtp_logits=True, output_hidden_states=True))
+    mask = np.ones_like(tokens) if attention_mask is None else attention_mask
+    return fn(model.params, tokens, mask)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_logits_mtp_and_heads_match_reference_fp32(tiny_checkpoints, seed):
+    folder, params = tiny_checkpoints[seed]
+    model = FlaxNeedleForCausalLM.from_pretrained(folder)
+    tokens = random_tokens(seed, 2, 21, TINY_NATIVE_CONFIG["vocab_size"])
+    out = _forward(model, tokens)
+    ref_logits, ref_mtp = reference_logits(TINY_NATIVE_CONFIG, params, tokens)
+    assert np.abs(ref_logits).max() > 1.0  # the check is not vacuous
+    np.testing.assert_allclose(np.asarray(out.logits), ref_logits, atol=F32_TOL, rtol=0)
+    np.testing.assert_allclose(np.asarray(out.mtp_logits), ref_mtp, atol=F32_TOL, rtol=0)
+
+    ref_embedding, ref_confidence = reference_heads(TINY_NATIVE_CONFIG, params, tokens)
+    embedding, log_temperature = model.contrastive_embedding(tokens)
+    np.testing.assert_allclose(np.asarray(embedding), ref_embedding, atol=F32_TOL, rtol=0)
+    np.testing.assert_allclose(float(log_temperature), params["contrastive_head"]["log_temp"], rtol=0, atol=0)
+    np.testing.assert_allclose(np.asarray(model.confidence_logit(tokens)), ref_confidence, atol=F32_TOL, rtol=0)
+
+
+def test_hidden_states_are_the_reference_hidden_cells(tiny_checkpoints):
+    from needle.model.architecture import SimpleAttentionNetwork
+
+    from needle_reference import reference_config
+
+    folder, params = tiny_checkpoints[1]
+    model = FlaxNeedleForCausalLM.from_pretrained(folder)
+    tokens = random_tokens(5, 1, 12, TINY_NATIVE_CONFIG["vocab_size"])
+    out = _forward(model, tokens)
+    ref = SimpleAttentionNetwork(reference_config(TINY_NATIVE_CONFIG))
+    cells = ref.apply({"params": params}, jnp.asarray(tokens), method=ref.hidden_cells)  # [B, T, L+1, D]
+    ours = np.stack([np.asarray(h) for h in out.hidden_states], axis=2)
+    assert ours.shape == cells.shape
+    np.testing.assert_allclose(ours, np.asarray(cells), atol=F32_TOL, rtol=0)
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_padded_batch_rows_equal_unpadded_sequences(tiny_model, side):
+    vocab = TINY_NATIVE_CONFIG["vocab_size"]
+    rows = [random_tokens(11, 1, 19, vocab)[0], random_tokens(12, 1, 7, vocab)[0]]
+    width = max(len(r) for r in rows)
+    tokens = np.zeros((2, width), np.int32)
+    mask = np.zeros((2, width), np.int32)
+    for i, row in enumerate(rows):
+        sl = slice(width - len(row), width) if side == "left" else slice(0, len(row))
+        tokens[i, sl], mask[i, sl] = row, 1
+    batched = np.asarray(_forward(tiny_model, tokens, mask).logits)
+    for i, row in enumerate(rows):
+        alone = np.asarray(_forward(tiny_model, row[None]).logits[0])
+        sl = slice(width - len(row), width) if side == "left" else slice(0, len(row))
+        np.testing.assert_allclose(batched[i, sl], alone, atol=F32_TOL, rtol=0)
+
+
+def test_bf16_argmax_agrees_with_reference_bf16(tiny_checkpoints):
+    folder, params = tiny_checkpoints[2]
+    model = FlaxNeedleForCausalLM.from_pretrained(folder, dtype=jnp.bfloat16)
+    tokens = random_tokens(21, 4, 64, TINY_NATIVE_CONFIG["vocab_size"])
+    ours = np.asarray(_forward(model, tokens).logits)
+    ref, _ = reference_logits(dict(TINY_NATIVE_CONFIG, dtype="bfloat16"), params, tokens)
+    agreement = (ours.argmax(-1) == ref.argmax(-1)).mean()
+    assert agreement >= 0.99, agreement
+    assert np.abs(ours - ref).max() < 0.1
+
+
+def test_fp16_params_keep_their_dtype_and_track_fp32(tiny_checkpoints, tmp_path):
+    """Released checkpoints may hold fp16 params; they load as fp16 and compute close to fp32."""
+    _, params = tiny_checkpoints[0]
+    write_hf_folder(tmp_path, TINY_NATIVE_CONFIG, params, dtype=np.float16)
+    model = FlaxNeedleForCausalLM.from_pretrained(tmp_path)
+    assert model.params["model"]["norm"]["weight"].dtype == jnp.float16
+    tokens = random_tokens(3, 2, 16, TINY_NATIVE_CONFIG["vocab_size"])
+    ours = np.asarray(_forward(model, tokens).logits)
+    fp16_params = jax.tree.map(lambda a: np.asarray(a, np.float16), params)
+    ref, _ = reference_logits(TINY_NATIVE_CONFIG, fp16_params, tokens)
+    np.testing.assert_allclose(ours, ref, atol=F32_TOL, rtol=0)
+
+
+def test_save_load_round_trip_is_bit_exact(tiny_model, tmp_path):
+    tiny_model.save_pretrained(tmp_path)
+    files = sorted(os.listdir(tmp_path))
+    assert "model.safetensors" in files and "config.json" in files and "flax_model.msgpack" not in files
+    from safetensors import safe_open
+
+    with safe_open(tmp_path / "model.safetensors", framework="numpy") as f:
+        assert f.metadata()["format"] == "pt"
+        assert set(f.keys()) == set(hf_weight_shapes(tiny_model.config))
+    reloaded = FlaxAutoModelForCausalLM.from_pretrained(tmp_path)
+    assert isinstance(reloaded, FlaxNeedleForCausalLM)
+    before = jax.tree_util.tree_leaves_with_path(tiny_model.params)
+    after = dict(jax.tree_util.tree_leaves_with_path(reloaded.params))
+    assert len(before) == len(after)
+    for path, leaf in before:
+        assert np.array_equal(np.asarray(leaf), np.asarray(after[path])), path
+
+
+def test_base_model_reads_the_backbone_of_a_causal_lm_folder(tiny_checkpoints):
+    folder, _ = tiny_checkpoints[0]
+    lm = FlaxNeedleForCausalLM.from_pretrained(folder)
+    base = FlaxNeedleModel.from_pretrained(folder)
+    tokens = random_tokens(4, 1, 9, TINY_NATIVE_CONFIG["vocab_size"])
+    hidden = np.asarray(base(tokens).last_hidden_state)
+    embedding = np.asarray(lm.params["model"]["embed_tokens"]["embedding"])
+    np.testing.assert_allclose(hidden @ embedding.T, np.asarray(lm(tokens).logits), atol=F32_TOL, rtol=0)
+
+
+def test_loading_works_with_torch_blocked(tiny_checkpoints):
+    folder, _ = tiny_checkpoints[0]
+    script = (
+        "import sys; sys.modules['torch'] = None\n"
+        "import numpy as np, needle_hf\n"
+        "from transformers import FlaxAutoModelForCausalLM\n"
+        f"m = FlaxAutoModelForCausalLM.from_pretrained({folder!r})\n"
+        "assert 'torch' not in [k for k, v in sys.modules.items() if v is not None]\n"
+        "print(type(m).__name__, np.asarray(m(np.array([[5, 6, 7]])).logits).shape)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "FlaxNeedleForCausalLM (1, 3, 512)" in done.stdout
+
+
+def _rewrite_weights(folder, edit):
+    path = os.path.join(folder, "model.safetensors")
+    tensors = load_file(path)
+    edit(tensors)
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda t: t.pop("model.layers.1.self_attn.q_proj.weight"), "missing tensor model.layers.1.self_attn.q_proj.weight"),
+        (lambda t: t.update({"model.layers.0.extra": np.zeros(3, np.float32)}), "unexpected tensor model.layers.0.extra"),
+        (
+            lambda t: t.update({"model.layers.2.self_attn.k_proj.weight": np.zeros((64, 64), np.float32)}),
+            "model.layers.2.self_attn.k_proj.weight: expected shape (32, 64), got (64, 64)",
+        ),
+    ],
+)
+def test_bad_weights_raise_instead_of_reinitialising(tiny_checkpoints, tmp_path, edit, message):
+    folder, params = tiny_checkpoints[0]
+    write_hf_folder(tmp_path, TINY_NATIVE_CONFIG, params)
+    _rewrite_weights(tmp_path, edit)
+    with pytest.raises(WeightMappingError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        FlaxNeedleForCausalLM.from_pretrained(tmp_path)
+
+
+def test_flax_format_safetensors_are_refused(tiny_checkpoints, tmp_path):
+    folder, params = tiny_checkpoints[0]
+    write_hf_folder(tmp_path, TINY_NATIVE_CONFIG, params)
+    tensors = load_file(tmp_path / "model.safetensors")
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "flax"})
+    with pytest.raises(WeightMappingError, match="format 'pt'"):
+        FlaxNeedleForCausalLM.from_pretrained(tmp_path)
+
+
+def test_over_long_input_raises():
+    from needle_hf.configuration_needle import NeedleConfig
+
+    config = NeedleConfig.from_needle_config(TINY_NATIVE_CONFIG)
+    model = FlaxNeedleForCausalLM(config, _do_init=False)
+    with pytest.raises(ValueError, match="exceeds max_position_embeddings=128"):
+        model(np.ones((1, 129), np.int32), params={})
+
+
+@pytest.mark.full_size
+def test_needle2_geometry_matches_reference(tmp_path):
+    params = make_native_params(BASE_NATIVE_CONFIG, 7)
+    config = write_hf_folder(tmp_path, BASE_NATIVE_CONFIG, params)
+    assert sum(int(np.prod(s)) for s in hf_weight_shapes(config).values()) == 44_938_997 + 4 * 512 + 512 * 4 * 128 + 1 + 8 * 512 + 8 * 512 + 1
+    model = FlaxNeedleForCausalLM.from_pretrained(tmp_path)
+    tokens = random_tokens(8, 1, 48, 8192)
+    out = _forward(model, tokens)
+    ref_logits, ref_mtp = reference_logits(BASE_NATIVE_CONFIG, params, tokens)
+    np.testing.assert_allclose(np.asarray(out.logits), ref_logits, atol=F32_TOL, rtol=0)
+    np.testing.assert_allclose(np.asarray(out.mtp_logits), ref_mtp, atol=F32_TOL, rtol=0)
+    ref_embedding, ref_confidence = reference_heads(BASE_NATIVE_CONFIG, params, tokens)
+    np.testing.assert_allclose(np.asarray(model.contrastive_embedding(tokens)[0]), ref_embedding, atol=F32_TOL, rtol=0)
+    np.testing.assert_allclose(np.asarray(model.confidence_logit(tokens)), ref_confidence, atol=F32_TOL, rtol=0)
