@@ -425,6 +425,40 @@ class FlaxNeedleModelOutput(FlaxBaseModelOutput):
     past_key_values: Optional[dict] = None
 
 
+class FlaxNeedleDecodeState(nn.Module):
+    """Decoding position and engram token history, kept in the `cache` collection.
+
+    Returns, for the T new tokens: the cache index of the first one (None without a cache), their
+    validity [B, T], and the engram context (tokens, validity) [B, C] = history + new tokens.
+    """
+
+    config: NeedleConfig
+
+    @nn.compact
+    def __call__(self, input_ids, attention_mask, *, init_cache: bool = False):
+        b, t = input_ids.shape
+        if not (init_cache or self.has_variable("cache", "cache_index")):
+            valid = attention_mask.astype(jnp.bool_)
+            return None, valid, input_ids, valid
+        history = self.config.engram_history
+        index = self.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
+        past_tokens = self.variable("cache", "engram_tokens", jnp.zeros, (b, history), jnp.int32)
+        past_valid = self.variable("cache", "engram_valid", jnp.zeros, (b, history), jnp.bool_)
+        start = index.value
+        if init_cache:
+            valid = attention_mask[:, :t].astype(jnp.bool_)
+        else:
+            valid = jax.lax.dynamic_slice(attention_mask, (0, start), (b, t)).astype(jnp.bool_)
+        context_tokens = jnp.concatenate([past_tokens.value, input_ids.astype(jnp.int32)], axis=1)  # [B, C]
+        context_valid = jnp.concatenate([past_valid.value, valid], axis=1)
+        if init_cache:
+            return None, valid, context_tokens, context_valid
+        index.value = start + t
+        past_tokens.value = context_tokens[:, context_tokens.shape[1] - history :]
+        past_valid.value = context_valid[:, context_valid.shape[1] - history :]
+        return start, valid, context_tokens, context_valid
+
+
 class FlaxNeedleModule(nn.Module):
     """The Needle 2 backbone: embedding, engram memory, hyper-connected decoder layers, final norm."""
 
@@ -437,46 +471,27 @@ class FlaxNeedleModule(nn.Module):
         self.layers = FlaxNeedleLayerCollection(cfg, dtype=self.dtype)
         self.engrams = FlaxNeedleEngramCollection(cfg, dtype=self.dtype) if cfg.engram_layers else None
         self.norm = FlaxNeedleRMSNorm(cfg, dtype=self.dtype)
+        self.decode_state = FlaxNeedleDecodeState(cfg)
 
     def embed(self, input_ids):
         """Token embedding scaled by sqrt(D), in the parameter dtype. [B, T] -> [B, T, D]."""
         return self.embed_tokens(input_ids) * math.sqrt(self.config.hidden_size)
 
-    def _engram_memory(self, input_ids, token_valid, init_cache: bool):
-        """Per-site (keys, values) [B, T, D] for the T new tokens, reading cached history when decoding."""
+    def _engram_memory(self, context_tokens, context_valid, new_tokens: int):
+        """(keys, values) [sites, B, new_tokens, D] for the last `new_tokens` of the context [B, C]."""
         cfg = self.config
         if self.engrams is None:
             return None
-        history = cfg.engram_history
-        b = input_ids.shape[0]
-        use_cache = init_cache or self.has_variable("cache", "engram_tokens")
-        tokens, valid = input_ids, token_valid
-        if use_cache:
-            cached_tokens = self.variable("cache", "engram_tokens", jnp.zeros, (b, history), jnp.int32)
-            cached_valid = self.variable("cache", "engram_valid", jnp.zeros, (b, history), jnp.bool_)
-            tokens = jnp.concatenate([cached_tokens.value, input_ids.astype(jnp.int32)], axis=1)  # [B, C]
-            valid = jnp.concatenate([cached_valid.value, token_valid], axis=1)
-            if not init_cache:
-                cached_tokens.value = tokens[:, -history:]
-                cached_valid.value = valid[:, -history:]
         orders, heads = cfg.engram_orders, cfg.engram_num_heads
         # Invisible (padded) positions hash as token 0, like positions before the start.
-        indices = engram_hash_indices(jnp.where(valid, tokens, 0), orders, heads, cfg.engram_slots)
-        ngram_visible = jnp.stack([shift_right(valid, o - 1, fill=False) for o in engram_table_orders(orders, heads)], -1)
-        tap_visible = jnp.stack(
-            [shift_right(valid, j * cfg.engram_conv_dilation, fill=False) for j in range(cfg.engram_conv_taps)]
+        indices = engram_hash_indices(jnp.where(context_valid, context_tokens, 0), orders, heads, cfg.engram_slots)
+        ngram_visible = jnp.stack(
+            [shift_right(context_valid, o - 1, fill=False) for o in engram_table_orders(orders, heads)], -1
         )
-        return self.engrams(indices, ngram_visible, tap_visible, input_ids.shape[1])
-
-    def _cache_position(self, new_tokens: int, init_cache: bool):
-        """Index of the first new token in the cache (None without a cache); advances the index."""
-        if not (init_cache or self.has_variable("cache", "cache_index")):
-            return None
-        index = self.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
-        current = index.value
-        if not init_cache:
-            index.value = current + new_tokens
-        return current
+        tap_visible = jnp.stack(
+            [shift_right(context_valid, j * cfg.engram_conv_dilation, fill=False) for j in range(cfg.engram_conv_taps)]
+        )
+        return self.engrams(indices, ngram_visible, tap_visible, new_tokens)
 
     def key_mask(self, attention_mask, query_length: int, cache_index):
         """Which keys each query may see: [B, T, S] from a [B, S] padding mask (S = cache length when decoding)."""
@@ -499,16 +514,12 @@ class FlaxNeedleModule(nn.Module):
         """input_ids/attention_mask/position_ids [B, T] (attention_mask [B, S] when decoding with a cache)."""
         cfg = self.config
         b, t = input_ids.shape
-        cache_index = self._cache_position(t, init_cache)
-        key_mask = self.key_mask(attention_mask, t, None if init_cache else cache_index)
-        if cache_index is None or init_cache:
-            token_valid = attention_mask[:, :t].astype(jnp.bool_)
-        else:
-            token_valid = jax.lax.dynamic_slice(attention_mask, (0, cache_index), (b, t)).astype(jnp.bool_)
+        cache_index, _, context_tokens, context_valid = self.decode_state(input_ids, attention_mask, init_cache=init_cache)
+        key_mask = self.key_mask(attention_mask, t, cache_index)
         cos, sin = rope_tables(position_ids, cfg.head_dim, cfg.rope_theta)
 
         x0 = self.embed(input_ids)  # [B, T, D], parameter dtype
-        memory = self._engram_memory(input_ids, token_valid, init_cache)
+        memory = self._engram_memory(context_tokens, context_valid, t)
         lanes = jnp.broadcast_to(x0.astype(self.dtype)[:, :, None, :], (b, t, cfg.hyper_connection_lanes, cfg.hidden_size))
         lanes, lane_means = self.layers(
             lanes, cos, sin, key_mask, memory,

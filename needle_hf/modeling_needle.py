@@ -41,11 +41,13 @@ Version notes (transformers 4.57 and 5.x):
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
 from torch import nn
 from transformers import DynamicCache, GenerationMixin, PreTrainedModel
 from transformers.cache_utils import Cache
@@ -133,6 +135,11 @@ def sinkhorn(logits: torch.Tensor, iterations: int = SINKHORN_ITERATIONS) -> tor
     return torch.exp(log_k)
 
 
+def lane_mean(lanes: torch.Tensor) -> torch.Tensor:
+    """Mean over the hyper-connection lanes [B, S, L, d] -> [B, S, d], accumulated in float32."""
+    return lanes.float().mean(dim=2).to(lanes.dtype)
+
+
 def engram_hash_indices(tokens: torch.Tensor, orders, num_heads: int, slots: int) -> torch.Tensor:
     """Hash-table rows [B, T, tables] of the n-grams ending at each position (tokens before the start are 0).
 
@@ -164,7 +171,9 @@ def attention_allowed(key_visible: torch.Tensor, past_length: int, query_length:
     return allowed[:, None]
 
 
-def default_position_ids(attention_mask: Optional[torch.Tensor], past_length: int, length: int, batch: int, device) -> torch.Tensor:
+def default_position_ids(
+    attention_mask: Optional[torch.Tensor], past_length: int, length: int, batch: int, device
+) -> torch.Tensor:
     """Positions [B, S] of the new tokens: ``cumsum(mask) - 1`` over the whole mask (padding does not
     advance the position), or ``past_length + arange(S)`` without a mask."""
     if attention_mask is None:
@@ -181,7 +190,6 @@ class NeedleStepInputs:
     allowed: [B, 1, S, past + S] bool attention mask.
     cos, sin: [B, 1, S, head_dim // 2] float32 RoPE tables of the new positions.
     walsh: [n, n] Walsh-Hadamard matrix (compute dtype).
-    past_length: tokens already in the cache.
     """
 
     key_visible: torch.Tensor
@@ -189,7 +197,6 @@ class NeedleStepInputs:
     cos: torch.Tensor
     sin: torch.Tensor
     walsh: torch.Tensor
-    past_length: int
 
 
 # --------------------------------------------------------------------------------------------------
@@ -365,7 +372,9 @@ class NeedleHyperConnection(nn.Module):
         unit = rms_unit(lanes.reshape(batch, length, n * width), self.eps)  # [B, S, L * d]
         pre_offset = torch.tensor(self.pre_offset, device=lanes.device)
         post_offset = torch.tensor(self.post_offset, device=lanes.device)
-        read = torch.sigmoid(self._scaled_projection(unit, self.pre_proj, self.pre_alpha) + self.pre_bias.float() + pre_offset)
+        read = torch.sigmoid(
+            self._scaled_projection(unit, self.pre_proj, self.pre_alpha) + self.pre_bias.float() + pre_offset
+        )
         write = 2 * torch.sigmoid(
             self._scaled_projection(unit, self.post_proj, self.post_alpha) + self.post_bias.float() + post_offset
         )
@@ -510,6 +519,11 @@ class NeedleCausalLMOutput(CausalLMOutputWithPast):
     mtp_logits: Optional[torch.FloatTensor] = None
 
 
+def _config_default(value, config, name: str, default):
+    """An explicit argument, else the config's attribute (absent in some transformers versions), else ``default``."""
+    return value if value is not None else getattr(config, name, default)
+
+
 def _merge_cache_arguments(past_key_values, cache) -> Optional[Cache]:
     """Accept the cache under its 4.x name (`past_key_values`) or its 5.x name (`cache`)."""
     if past_key_values is not None and cache is not None and past_key_values is not cache:
@@ -616,10 +630,6 @@ class NeedlePreTrainedModel(PreTrainedModel):
 
 def _local_checkpoint_shape(source, name: str) -> Optional[tuple]:
     """Shape of tensor ``name`` in the safetensors files of a local folder (None when not found there)."""
-    import os
-
-    from safetensors import safe_open
-
     if not os.path.isdir(str(source)):
         return None
     for file_name in sorted(os.listdir(source)):
@@ -632,7 +642,10 @@ def _local_checkpoint_shape(source, name: str) -> Optional[tuple]:
 
 def _raise_unless_exact(model: PreTrainedModel, loading_info: dict, source) -> None:
     missing = sorted(loading_info.get("missing_keys") or [])
-    unexpected = sorted(loading_info.get("unexpected_keys") or [])
+    unused_prefixes = getattr(model, "_unused_checkpoint_prefixes", ())
+    unexpected = sorted(
+        name for name in loading_info.get("unexpected_keys") or [] if not name.startswith(unused_prefixes)
+    )
     expected_shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     mismatched = []
     for entry in loading_info.get("mismatched_keys") or []:
@@ -680,8 +693,10 @@ class NeedleModel(NeedlePreTrainedModel):
     Weight names: ``embed_tokens.weight``, ``layers.{i}.*``, ``norm.weight``, ``engrams.{s}.*``.
     """
 
-    # A NeedleForCausalLM checkpoint also holds the heads, which the bare backbone does not use.
-    _keys_to_ignore_on_load_unexpected = [r"^mtp\.", r"^contrastive_head\.", r"^confidence_head\."]
+    # A NeedleForCausalLM checkpoint also holds the heads, which the bare backbone leaves unused.
+    # (Not `_keys_to_ignore_on_load_unexpected`: transformers 5.x copies that onto every model that
+    # contains this one, which would let NeedleForCausalLM ignore head tensors its config lacks.)
+    _unused_checkpoint_prefixes = ("mtp.", "contrastive_head.", "confidence_head.")
 
     def __init__(self, config: NeedleConfig):
         super().__init__(config)
@@ -696,9 +711,8 @@ class NeedleModel(NeedlePreTrainedModel):
 
     @property
     def engram_context_length(self) -> int:
-        """Tokens before the new ones that the engram reads: the conv reach plus the longest n-gram."""
-        config = self.config
-        return (config.engram_conv_taps - 1) * config.engram_conv_dilation + max(config.engram_orders) - 1
+        """Tokens before the new ones that the engram reads (`NeedleConfig.engram_history`)."""
+        return self.config.engram_history
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.embed_tokens
@@ -749,7 +763,6 @@ class NeedleModel(NeedlePreTrainedModel):
             cos=torch.cos(angles)[:, None],
             sin=torch.sin(angles)[:, None],
             walsh=self.walsh(device, dtype),
-            past_length=past_length,
         )
 
     def engram_memory(
@@ -770,7 +783,9 @@ class NeedleModel(NeedlePreTrainedModel):
         batch, length = input_ids.shape
         if past_length == 0:
             if engram_context_ids is not None and engram_context_ids.numel() > 0:
-                raise ValueError("engram_context_ids was given but the cache is empty: there is no text before input_ids")
+                raise ValueError(
+                    "engram_context_ids was given but the cache is empty: there is no text before input_ids"
+                )
             window_ids, window_visible, first_new = input_ids, key_visible, 0
         else:
             needed = min(past_length, self.engram_context_length)
@@ -839,16 +854,16 @@ class NeedleModel(NeedlePreTrainedModel):
         positions come from the cache length and the mask.
         """
         if inputs_embeds is not None:
-            raise ValueError("Needle reads token ids (its engram memory hashes them): pass input_ids, not inputs_embeds")
+            raise ValueError(
+                "Needle reads token ids (its engram memory hashes them): pass input_ids, not inputs_embeds"
+            )
         if input_ids is None:
             raise ValueError("input_ids is required")
         cache = _merge_cache_arguments(past_key_values, cache)
-        use_cache = use_cache if use_cache is not None else getattr(self.config, "use_cache", True)
-        output_attentions = output_attentions if output_attentions is not None else getattr(self.config, "output_attentions", False)
-        output_hidden_states = (
-            output_hidden_states if output_hidden_states is not None else getattr(self.config, "output_hidden_states", False)
-        )
-        return_dict = return_dict if return_dict is not None else getattr(self.config, "return_dict", True)
+        use_cache = _config_default(use_cache, self.config, "use_cache", True)
+        output_attentions = _config_default(output_attentions, self.config, "output_attentions", False)
+        output_hidden_states = _config_default(output_hidden_states, self.config, "output_hidden_states", False)
+        return_dict = _config_default(return_dict, self.config, "return_dict", True)
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)
 
@@ -878,11 +893,6 @@ class NeedleModel(NeedlePreTrainedModel):
             **{_BASE_CACHE_OUTPUT_FIELD: cache if use_cache else None},
         )
         return output if return_dict else output.to_tuple()
-
-
-def lane_mean(lanes: torch.Tensor) -> torch.Tensor:
-    """Mean over the hyper-connection lanes [B, S, L, d] -> [B, S, d], accumulated in float32."""
-    return lanes.float().mean(dim=2).to(lanes.dtype)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -959,7 +969,7 @@ class NeedleForCausalLM(NeedlePreTrainedModel, GenerationMixin):
                 only on a forward over the whole text (empty cache).
         """
         cache = _merge_cache_arguments(past_key_values, cache)
-        return_dict = return_dict if return_dict is not None else getattr(self.config, "return_dict", True)
+        return_dict = _config_default(return_dict, self.config, "return_dict", True)
         if return_mtp_logits and self.mtp is None:
             raise ValueError("this model has no MTP head (config.use_mtp_head is False)")
         if return_mtp_logits and cache is not None and cache.get_seq_length() > 0:
@@ -991,6 +1001,8 @@ class NeedleForCausalLM(NeedlePreTrainedModel, GenerationMixin):
 
         loss = None
         if labels is not None:
+            if logits.shape[1] != input_ids.shape[1]:
+                raise ValueError("labels need the logits of every position: leave logits_to_keep at 0")
             loss = F.cross_entropy(
                 logits[:, :-1].reshape(-1, logits.shape[-1]),
                 labels[:, 1:].reshape(-1).to(logits.device),
@@ -1054,7 +1066,9 @@ class NeedleForCausalLM(NeedlePreTrainedModel, GenerationMixin):
         embedding = self.contrastive_head(cells, keep, self.model.embed_tokens.weight.dtype)
         return embedding, self.contrastive_head.log_temperature
 
-    def confidence_logit(self, input_ids: torch.LongTensor, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def confidence_logit(
+        self, input_ids: torch.LongTensor, attention_mask: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
         """Answer-confidence logit [B] float32."""
         if self.confidence_head is None:
             raise ValueError("this model has no confidence head (config.use_confidence_head is False)")

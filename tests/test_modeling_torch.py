@@ -118,7 +118,9 @@ def test_state_dict_is_exactly_the_weight_table(overrides):
     assert {name: tuple(t.shape) for name, t in state.items()} == hf_weight_shapes(config)
 
     backbone = NeedleModel(config).state_dict()
-    expected = {name[len("model.") :]: shape for name, shape in hf_weight_shapes(config).items() if name.startswith("model.")}
+    prefix = "model."
+    shapes = hf_weight_shapes(config)
+    expected = {name[len(prefix) :]: shape for name, shape in shapes.items() if name.startswith(prefix)}
     assert {name: tuple(t.shape) for name, t in backbone.items()} == expected
 
 
@@ -200,7 +202,9 @@ def test_padded_logits_match_the_reference(tiny_params, tiny_model):
     tokens, mask = padded_batch(seed=11)
     expected, expected_mtp = reference_logits(TINY_NATIVE_CONFIG, tiny_params[0], tokens, mask)
     with torch.no_grad():
-        out = tiny_model(torch.from_numpy(tokens), attention_mask=torch.from_numpy(mask), use_cache=False, return_mtp_logits=True)
+        out = tiny_model(
+            torch.from_numpy(tokens), attention_mask=torch.from_numpy(mask), use_cache=False, return_mtp_logits=True
+        )
     real = mask.astype(bool)
     assert max_difference(out.logits.numpy()[real], expected[real]) <= PARITY_TOLERANCE
     assert max_difference(out.mtp_logits.numpy()[real], expected_mtp[real]) <= PARITY_TOLERANCE
@@ -343,7 +347,9 @@ def test_generation_stops_at_eos_and_at_max_new_tokens(tiny_model):
         new_tokens = free[0, 5:].tolist()
         stop_token = new_tokens[6]
         stop_at = new_tokens.index(stop_token)  # its first occurrence
-        stopped = tiny_model.generate(prompt, max_new_tokens=12, do_sample=False, eos_token_id=stop_token, pad_token_id=0)
+        stopped = tiny_model.generate(
+            prompt, max_new_tokens=12, do_sample=False, eos_token_id=stop_token, pad_token_id=0
+        )
     assert stopped[0, 5:].tolist() == new_tokens[: stop_at + 1]
 
 
@@ -384,18 +390,26 @@ def test_backbone_loads_from_a_causal_lm_checkpoint(tiny_folder, tiny_model):
     backbone = NeedleModel.from_pretrained(tiny_folder).eval()
     ids = torch.from_numpy(random_tokens(1, 10, seed=16))
     with torch.no_grad():
-        assert torch.equal(backbone(ids, use_cache=False).last_hidden_state, tiny_model.model(ids, use_cache=False).last_hidden_state)
+        alone = backbone(ids, use_cache=False).last_hidden_state
+        inside = tiny_model.model(ids, use_cache=False).last_hidden_state
+    assert torch.equal(alone, inside)
 
 
 @pytest.mark.parametrize(
     ("damage", "message"),
     [
-        (lambda t: t.pop("model.layers.1.self_attn.q_proj.weight"), r"missing tensor.*model\.layers\.1\.self_attn\.q_proj\.weight"),
+        (
+            lambda t: t.pop("model.layers.1.self_attn.q_proj.weight"),
+            r"missing tensor.*model\.layers\.1\.self_attn\.q_proj\.weight",
+        ),
         (
             lambda t: t.update({"model.norm.weight": np.zeros(65, np.float32)}),
             r"wrong shape.*model\.norm\.weight: expected \(64,\), got \(65,\)",
         ),
-        (lambda t: t.update({"model.layers.0.extra": np.zeros(3, np.float32)}), r"unexpected tensor.*model\.layers\.0\.extra"),
+        (
+            lambda t: t.update({"model.layers.0.extra": np.zeros(3, np.float32)}),
+            r"unexpected tensor.*model\.layers\.0\.extra",
+        ),
         (
             lambda t: [t.pop(name) for name in [n for n in t if n.startswith("confidence_head.")]],
             r"missing tensor.*confidence_head\..*use_confidence_head",
@@ -408,6 +422,14 @@ def test_loading_an_inexact_checkpoint_raises(tiny_params, tmp_path, damage, mes
     damage(tensors)
     write_checkpoint(tmp_path, TINY_NATIVE_CONFIG, tensors)
     with pytest.raises(NeedleWeightsError, match=message):
+        NeedleForCausalLM.from_pretrained(tmp_path)
+
+
+def test_loading_refuses_head_tensors_the_config_does_not_declare(tiny_params, tmp_path):
+    tensors = native_to_hf(tiny_params[0], hf_config(TINY_NATIVE_CONFIG))
+    write_checkpoint(tmp_path, TINY_NATIVE_CONFIG, tensors)
+    NeedleConfig.from_needle_config(TINY_NATIVE_CONFIG, use_contrastive_head=True).save_pretrained(tmp_path)
+    with pytest.raises(NeedleWeightsError, match=r"unexpected tensor.*confidence_head\..*use_confidence_head"):
         NeedleForCausalLM.from_pretrained(tmp_path)
 
 

@@ -1,0 +1,68 @@
+"""Shared helpers for the benchmarks: Needle 2 checkpoints, timing, memory and bandwidth figures.
+
+Benchmarks compare needle-hf with the reference (cactus-needle 2.0.15) measured in the same run, on
+randomly initialised weights of the Needle 2 geometry (`base` preset), in float32 on the CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "tests"))  # reference-checkpoint support shared with the tests
+
+
+def make_base_checkpoint(folder: str, seed: int = 0, with_heads: bool = False):
+    """(native params, native config) of the Needle 2 geometry, also written as an HF folder."""
+    from flax_support import write_hf_folder
+    from needle_reference import BASE_NATIVE_CONFIG, make_native_params
+
+    params = make_native_params(BASE_NATIVE_CONFIG, seed, with_heads=with_heads)
+    write_hf_folder(folder, BASE_NATIVE_CONFIG, params)
+    return params, dict(BASE_NATIVE_CONFIG)
+
+
+def median_seconds(fn, repeats: int) -> float:
+    """Median wall time of `fn()` over `repeats` calls (fn must block until its result is ready)."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process so far (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def copy_bandwidth_bytes_per_second(size_bytes: int = 512 * 2**20, repeats: int = 5) -> float:
+    """Bytes read per second by a large numpy copy (each copy reads and writes `size_bytes`)."""
+    src = np.ones(size_bytes // 4, np.float32)
+    dst = np.empty_like(src)
+    seconds = median_seconds(lambda: np.copyto(dst, src), repeats)
+    return size_bytes / seconds
+
+
+def run_worker(script: str, args: list[str], timeout: int = 3600) -> dict:
+    """Run `python script args...` in a fresh process (own compile caches and peak RSS); parse its JSON line."""
+    done = subprocess.run(
+        [sys.executable, script, *args], capture_output=True, text=True, timeout=timeout, cwd=REPO
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"{os.path.basename(script)} {' '.join(args)} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def emit(result: dict):
+    """A worker's single JSON result line on stdout."""
+    print(json.dumps(result), flush=True)

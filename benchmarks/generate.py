@@ -1,0 +1,93 @@
+"""Greedy generation speed on the Needle 2 geometry: needle-hf vs the reference, same run.
+
+Workload: `base` preset (d=512, 27 layers), float32, a 64-token prompt and 64 new tokens, batch 1
+and batch 8. Rows: our jit-compiled Flax `generate()`, our PyTorch `generate()` (when torch is
+installed), and the reference's cached decoding (decode.py). Each row runs in its own process so
+that compile time and peak RSS are its own. Also prints the memory-bandwidth bound: the weight bytes
+a decoding step must read against this machine's measured copy bandwidth.
+
+Targets at batch 1: >= 5x the reference's tokens/s, >= 50% of the bandwidth bound, first call <= 30 s.
+
+    .venv/bin/python benchmarks/generate.py [--batches 1 8] [--skip-reference]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import pickle
+import tempfile
+
+import numpy as np
+
+from common import copy_bandwidth_bytes_per_second, make_base_checkpoint, run_worker
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "generate_worker.py")
+
+
+def decode_weight_bytes(folder: str) -> int:
+    """Bytes of weights read per decoding step: all tensors except the engram tables (only a few
+    rows of those are gathered per token)."""
+    from safetensors import safe_open
+
+    total = 0
+    with safe_open(os.path.join(folder, "model.safetensors"), framework="numpy") as f:
+        for name in f.keys():
+            if name.endswith(".tables") or name.startswith("mtp."):
+                continue
+            t = f.get_slice(name)
+            total += int(np.prod(t.get_shape())) * np.dtype(t.get_dtype().lower().replace("f32", "float32")).itemsize
+    return total
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--prompt-tokens", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--skip-reference", action="store_true", help="omit the reference rows (their compile takes minutes)")
+    args = parser.parse_args(argv)
+
+    impls = ["flax"] + (["torch"] if importlib.util.find_spec("torch") else [])
+    if not args.skip_reference:
+        impls.append("reference")
+    with tempfile.TemporaryDirectory() as folder:
+        params, native = make_base_checkpoint(folder)
+        with open(os.path.join(folder, "native.pkl"), "wb") as f:
+            pickle.dump({"format_version": 2, "params": params, "config": native, "step": 0, "run": {}}, f)
+        weight_bytes = decode_weight_bytes(folder)
+        bandwidth = copy_bandwidth_bytes_per_second()
+        rows = {}
+        for batch in args.batches:
+            for impl in impls:
+                rows[impl, batch] = run_worker(
+                    WORKER, [impl, str(batch), folder, str(args.prompt_tokens), str(args.new_tokens)]
+                )
+                r = rows[impl, batch]
+                print(f"  measured {impl:9s} batch {batch}: {r['tokens_per_s']:7.1f} tok/s", flush=True)
+
+    bound = bandwidth / weight_bytes
+    print(f"\nNeedle 2 geometry, float32, greedy, prompt {args.prompt_tokens} + {args.new_tokens} new tokens")
+    print(f"bandwidth bound: {weight_bytes / 1e6:.0f} MB of weights per step, copy bandwidth {bandwidth / 1e9:.1f} GB/s"
+          f" -> {bound:.0f} tok/s per sequence")
+    header = f"{'impl':10s} {'batch':>5s} {'tok/s':>8s} {'vs ref':>7s} {'% bound':>8s} {'1st call s':>10s} {'peak RSS GB':>11s}"
+    print(header)
+    for (impl, batch), r in rows.items():
+        ref = rows.get(("reference", batch))
+        ratio = f"{r['tokens_per_s'] / ref['tokens_per_s']:6.2f}x" if ref else "     -"
+        per_seq_bound = 100 * r["tokens_per_s"] / batch / bound
+        print(f"{impl:10s} {batch:5d} {r['tokens_per_s']:8.1f} {ratio:>7s} {per_seq_bound:7.0f}% {r['first_call_s']:10.1f}"
+              f" {r['peak_rss_bytes'] / 2**30:11.2f}")
+    for batch in args.batches:
+        if ("reference", batch) in rows:
+            same = rows["flax", batch]["tokens"] == rows["reference", batch]["tokens"]
+            print(f"batch {batch}: flax greedy tokens {'equal' if same else 'DIFFER from'} the reference's")
+    if ("reference", 1) in rows:
+        r, ref = rows["flax", 1], rows["reference", 1]
+        print(f"targets at batch 1: speed-up {r['tokens_per_s'] / ref['tokens_per_s']:.1f}x (>= 5x), "
+              f"{100 * r['tokens_per_s'] / bound:.0f}% of bound (>= 50%), first call {r['first_call_s']:.1f} s (<= 30 s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+"""One measurement for benchmarks/generate.py, in its own process (own compile cache and peak RSS).
+
+    python benchmarks/generate_worker.py IMPL BATCH CHECKPOINT_DIR PROMPT_TOKENS NEW_TOKENS
+IMPL: flax (our jit-compiled generate()), torch (our PyTorch generate()), reference (cactus-needle's
+cached decoding, decode.py's forward_cached loop as in its generate_cached). Prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import sys
+import time
+
+import numpy as np
+
+from common import emit, median_seconds, peak_rss_bytes
+
+
+def prompt_ids(batch: int, length: int) -> np.ndarray:
+    return np.random.default_rng(0).integers(4, 8192, (batch, length)).astype(np.int32)
+
+
+def measure_flax(folder, batch, prompt_len, new_tokens):
+    import jax
+
+    from needle_hf.modeling_flax_needle import FlaxNeedleForCausalLM
+
+    model = FlaxNeedleForCausalLM.from_pretrained(folder)
+    ids = prompt_ids(batch, prompt_len)
+    generate = jax.jit(
+        lambda p, x: model.generate(x, params=p, max_new_tokens=new_tokens, do_sample=False, eos_token_id=None).sequences
+    )
+    start = time.perf_counter()
+    first = jax.block_until_ready(generate(model.params, ids))
+    compile_s = time.perf_counter() - start
+    seconds = median_seconds(lambda: jax.block_until_ready(generate(model.params, ids)), 3)
+    return compile_s, seconds, np.asarray(first)[:, prompt_len:]
+
+
+def measure_torch(folder, batch, prompt_len, new_tokens):
+    import torch
+
+    from needle_hf.modeling_needle import NeedleForCausalLM
+
+    torch.set_grad_enabled(False)
+    model = NeedleForCausalLM.from_pretrained(folder).eval()
+    ids = torch.as_tensor(prompt_ids(batch, prompt_len), dtype=torch.long)
+
+    def run():
+        return model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+            do_sample=False, pad_token_id=0,
+        )
+
+    start = time.perf_counter()
+    first = run()
+    compile_s = time.perf_counter() - start
+    seconds = median_seconds(run, 3)
+    return compile_s, seconds, first[:, prompt_len:].numpy()
+
+
+def measure_reference(folder, batch, prompt_len, new_tokens):
+    """The reference's cached decoding: one prefill, then one forward_cached call per token."""
+    import jax
+    import jax.numpy as jnp
+    from needle.model.architecture import TransformerConfig, precompute_rope_freqs
+    from needle.model.decode import _f32, decode_cfg, forward_cached, init_kv_cache
+
+    with open(os.path.join(folder, "native.pkl"), "rb") as f:
+        native = pickle.load(f)
+    config = TransformerConfig(**native["config"])
+    params = _f32(native["params"])
+    ids = prompt_ids(batch, prompt_len)
+    max_len = prompt_len + new_tokens
+    cos, sin = precompute_rope_freqs(config.d_model // config.num_heads, max_len, config.rope_theta)
+    dcfg = decode_cfg(config)
+    valid = jnp.ones((batch, max_len), bool)
+
+    def run():
+        kc, vc = init_kv_cache(config, batch, max_len)
+        hist = jnp.zeros((batch, max_len), jnp.int32).at[:, :prompt_len].set(jnp.asarray(ids))
+        logits, kc, vc = forward_cached(params, dcfg, jnp.asarray(ids), kc, vc, jnp.asarray(0, jnp.int32),
+                                        cos, sin, None, False, hist, valid, None)
+        nxt = jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)
+        out = [nxt]
+        for pos in range(prompt_len, max_len - 1):
+            hist = hist.at[:, pos].set(nxt)
+            logits, kc, vc = forward_cached(params, dcfg, nxt[:, None], kc, vc, jnp.asarray(pos, jnp.int32),
+                                            cos, sin, None, False, hist, valid, None)
+            nxt = jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)
+            out.append(nxt)
+        return np.asarray(jnp.stack(out, axis=1))
+
+    start = time.perf_counter()
+    first = run()
+    compile_s = time.perf_counter() - start
+    seconds = median_seconds(run, 3)
+    return compile_s, seconds, first
+
+
+def main():
+    impl, batch, folder, prompt_len, new_tokens = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+    measure = {"flax": measure_flax, "torch": measure_torch, "reference": measure_reference}[impl]
+    compile_s, seconds, tokens = measure(folder, batch, prompt_len, new_tokens)
+    emit({
+        "impl": impl, "batch": batch, "first_call_s": compile_s, "seconds": seconds,
+        "tokens_per_s": batch * new_tokens / seconds, "peak_rss_bytes": peak_rss_bytes(),
+        "tokens": np.asarray(tokens).tolist(),
+    })
+
+
+if __name__ == "__main__":
+    main()

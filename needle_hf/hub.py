@@ -1,0 +1,211 @@
+"""`needle-hf push`: publish a saved Needle folder to the Hugging Face Hub.
+
+    needle-hf push HF_DIR ORG/NAME [--revision BRANCH] [--private] [--commit-message TEXT] [--base-model REPO]
+
+The folder is checked before anything is sent: config.json must be a Needle config, the weights must
+hold exactly the tensors that config implies (names and shapes, read from the safetensors headers),
+and every class `auto_map` names must have its code file beside it, so that a repository on the Hub
+always loads with `trust_remote_code=True`. Without a README.md the model card is rendered into the
+folder first (`needle_hf.model_card`), so the folder you pushed and the repository stay identical.
+
+The upload is `HfApi.create_repo(exist_ok=True)` + `HfApi.upload_folder`: the Hub (or its test
+stand-in) decides per file between a regular and an LFS upload, skips files whose content it
+already has, and makes no commit when nothing changed, so pushing an unchanged folder again returns
+the current commit. Credentials and the endpoint come from huggingface_hub's usual settings
+(`HF_TOKEN` or `hf auth login`, `HF_ENDPOINT`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+from pathlib import Path
+
+from huggingface_hub import HfApi
+
+from . import __version__
+from .configuration_needle import NeedleConfig
+from .conversion.export import check_names_and_shapes, read_hf_config, weight_files
+from .model_card import folder_model_card
+
+DEFAULT_BRANCH = "main"
+README_NAME = "README.md"
+COMMIT_ID = re.compile(r"[0-9a-f]{40}")
+PUSH_HELP = "upload a saved Hugging Face Needle folder to the Hub (with its model card)"
+
+
+class PushError(ValueError):
+    """The folder is not a complete Needle folder, or the push target is invalid; nothing was uploaded."""
+
+
+def _tensor_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape over the folder's weight files, from the safetensors headers only."""
+    from safetensors import safe_open
+
+    shapes = {}
+    for path in weight_files(folder):
+        with safe_open(str(path), framework="numpy") as handle:
+            for name in handle.keys():
+                shapes[name] = tuple(handle.get_slice(name).get_shape())
+    return shapes
+
+
+def _missing_remote_code(auto_map: dict, folder: Path) -> list[str]:
+    """`"AutoClass -> module.py"` for each `auto_map` entry whose code file is not in `folder`."""
+    missing = []
+    for auto_class, reference in auto_map.items():
+        # Tokenizer entries are [slow, fast] pairs, the others "module.Class"; "repo--module.Class"
+        # points at code in another repository and is not this folder's to ship.
+        for target in reference if isinstance(reference, (list, tuple)) else [reference]:
+            if target and "--" not in target and not (folder / f"{target.rsplit('.', 1)[0]}.py").is_file():
+                missing.append(f"{auto_class} -> {target.rsplit('.', 1)[0]}.py")
+    return missing
+
+
+def check_folder(folder: str | os.PathLike) -> NeedleConfig:
+    """Check that `folder` is a complete Needle folder; return its config.
+
+    Raises:
+        PushError: no auto_map in config.json, or a code file it names is missing.
+        ValueError (from the converter's readers): not a Needle config.json, no weights, or a
+            tensor missing, unknown or of the wrong shape.
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise PushError(f"{folder} is not a folder; expected a saved Hugging Face Needle folder")
+    config = read_hf_config(folder)
+    check_names_and_shapes(_tensor_shapes(folder), config, where=str(folder))
+    auto_map = json.loads((folder / "config.json").read_text(encoding="utf-8")).get("auto_map")
+    if not auto_map:
+        raise PushError(
+            f"{folder / 'config.json'} has no auto_map, so users without needle_hf could not load the repository; "
+            "save the folder again with needle_hf (save_pretrained writes the model code and auto_map)"
+        )
+    missing = _missing_remote_code(auto_map, folder)
+    if missing:
+        raise PushError(
+            f"{folder}: config.json auto_map names code files that are not in the folder ({', '.join(missing)}); "
+            "save the folder again with needle_hf"
+        )
+    return config
+
+
+def push_folder(
+    folder: str | os.PathLike,
+    repo_id: str,
+    *,
+    revision: str | None = None,
+    private: bool = False,
+    commit_message: str | None = None,
+    base_model: str | None = None,
+    token: str | None = None,
+    endpoint: str | None = None,
+) -> str:
+    """Upload a saved Needle folder to the Hub repository `repo_id` and return the commit id.
+
+    Args:
+        folder: the saved folder (config.json, model.safetensors, tokenizer, model code).
+        repo_id: `org/name`; the repository is created if it does not exist.
+        revision: the branch to commit to (created from the default branch if missing); None means main.
+        private: create the repository private. An existing repository keeps its visibility.
+        commit_message: defaults to "Upload Needle 2 model (needle-hf <version>)".
+        base_model: the `base_model` of the card rendered when the folder has no README.md.
+        token / endpoint: override huggingface_hub's settings (`HF_TOKEN`, `HF_ENDPOINT`).
+
+    Returns:
+        The id of the commit that holds the folder: a new commit, or the current one of `revision`
+        when every file was already there (the Hub makes no empty commit).
+    """
+    folder = Path(folder)
+    if repo_id.count("/") != 1:
+        raise PushError(f"repo_id must be 'org/name', got {repo_id!r}")
+    if revision is not None and COMMIT_ID.fullmatch(revision):
+        raise PushError(f"--revision must be a branch name, got the commit id {revision}; commits cannot be pushed to")
+    check_folder(folder)
+
+    api = HfApi(endpoint=endpoint, token=token)
+    repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
+    if revision not in (None, DEFAULT_BRANCH):
+        api.create_branch(repo_id, branch=revision, exist_ok=True)
+    readme = folder / README_NAME
+    if not readme.exists():
+        card = folder_model_card(folder, repo_id=repo_id, base_model=base_model)
+        readme.write_text(str(card), encoding="utf-8")
+    commit = api.upload_folder(
+        repo_id=repo_id,
+        folder_path=folder,
+        revision=revision,
+        commit_message=commit_message or f"Upload Needle 2 model (needle-hf {__version__})",
+    )
+    return commit.oid
+
+
+# --------------------------------------------------------------------------------------------------
+# Command line (wired into needle_hf.cli)
+
+
+def add_push_arguments(parser: argparse.ArgumentParser):
+    """Arguments of `needle-hf push HF_DIR ORG/NAME`."""
+    parser.add_argument("hf_dir", metavar="HF_DIR", help="a saved Hugging Face Needle folder (e.g. from needle-hf convert)")
+    parser.add_argument("repo_id", metavar="ORG/NAME", help="the Hub repository (created if it does not exist)")
+    _add_push_options(parser, revision_flag="--revision")
+
+
+def _add_push_options(parser: argparse.ArgumentParser, *, revision_flag: str):
+    parser.add_argument(revision_flag, dest="push_revision", metavar="BRANCH",
+                        help="commit to this branch (created from main if missing); default main")
+    parser.add_argument("--private", action="store_true",
+                        help="create the repository private (an existing repository keeps its visibility)")
+    parser.add_argument("--commit-message", help="the commit message (default: 'Upload Needle 2 model (needle-hf X)')")
+    parser.add_argument("--base-model", metavar="REPO",
+                        help="`base_model` of the generated model card, e.g. Cactus-Compute/needle2 for a "
+                             "conversion of the released weights (used only when HF_DIR has no README.md)")
+
+
+def add_convert_push_arguments(parser: argparse.ArgumentParser):
+    """`needle-hf convert ... --push ORG/NAME [--push-revision BRANCH] [--private] ...`."""
+    parser.add_argument("--push", dest="push_repo_id", metavar="ORG/NAME",
+                        help="after a successful conversion, push OUT_DIR to this Hub repository")
+    _add_push_options(parser, revision_flag="--push-revision")
+
+
+def _push_from_arguments(args: argparse.Namespace, folder, repo_id: str) -> str:
+    commit = push_folder(
+        folder,
+        repo_id,
+        revision=args.push_revision,
+        private=args.private,
+        commit_message=args.commit_message,
+        base_model=args.base_model,
+    )
+    print(f"pushed {folder} to {repo_id}@{args.push_revision or DEFAULT_BRANCH}: commit {commit}", flush=True)
+    return commit
+
+
+def run_push(args: argparse.Namespace) -> int:
+    """Run `needle-hf push`; returns the exit status."""
+    _push_from_arguments(args, args.hf_dir, args.repo_id)
+    return 0
+
+
+def push_converted_folder(args: argparse.Namespace, out_dir) -> str | None:
+    """The `convert --push` step: push `out_dir` when `--push` was given; returns the commit id."""
+    if not args.push_repo_id:
+        return None
+    print(f"needle-hf convert: pushing {out_dir} to {args.push_repo_id}", file=sys.stderr, flush=True)
+    return _push_from_arguments(args, out_dir, args.push_repo_id)
+
+
+__all__ = [
+    "PUSH_HELP",
+    "PushError",
+    "add_convert_push_arguments",
+    "add_push_arguments",
+    "check_folder",
+    "push_converted_folder",
+    "push_folder",
+    "run_push",
+]

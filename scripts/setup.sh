@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Creates (or refreshes) the two virtual environments at the repo root. Idempotent and quick when
+# nothing changed: a stamp records the hash of the files that decide what gets installed.
+#   .venv     transformers 4.57 (the last release with Flax) + jax/flax + torch 2.13 CPU + the
+#             reference (cactus-needle 2.0.15, test-only) + needle-hf itself (editable)
+#   .venv-v5  the newest transformers 5.x + torch 2.13 CPU, for the PyTorch suite under transformers 5
+#             (needle-hf is NOT installed there: it is put on PYTHONPATH by the test runner, and the
+#             remote-code tests need an environment without it)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3.11}
+command -v "$PYTHON" >/dev/null || PYTHON=python3
+# torch 2.13.0 has a CPU wheel on this machine's disk; any other torch request pulls a multi-GB CUDA build.
+TORCH="torch==2.13.0"
+REFERENCE="cactus-needle[train]==2.0.15"
+
+stamp_of() { cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16; }
+STAMP=$(stamp_of)
+
+pip_quiet() { "$@" --disable-pip-version-check -q; }
+
+if [ ! -f .venv/.needle-setup-$STAMP ]; then
+    echo "[setup] creating .venv (transformers 4.57, jax/flax, torch, reference)" >&2
+    [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+    pip_quiet .venv/bin/python -m pip install --upgrade pip
+    pip_quiet .venv/bin/python -m pip install "$TORCH" "transformers==4.57.6" "$REFERENCE" \
+        "jax>=0.4.30" "flax>=0.10" "huggingface_hub<1.0" pytest psutil sentencepiece
+    pip_quiet .venv/bin/python -m pip install -e ".[flax,torch,test]" "$TORCH" "transformers==4.57.6"
+    rm -f .venv/.needle-setup-*
+    touch .venv/.needle-setup-$STAMP
+fi
+
+if [ ! -f .venv-v5/.needle-setup-$STAMP ]; then
+    echo "[setup] creating .venv-v5 (newest transformers 5.x, torch)" >&2
+    [ -x .venv-v5/bin/python ] || "$PYTHON" -m venv .venv-v5
+    pip_quiet .venv-v5/bin/python -m pip install --upgrade pip
+    pip_quiet .venv-v5/bin/python -m pip install "$TORCH" "transformers>=5,<6" "huggingface_hub>=1.0" \
+        safetensors tokenizers sentencepiece protobuf jinja2 numpy pytest psutil "$REFERENCE"
+    rm -f .venv-v5/.needle-setup-*
+    touch .venv-v5/.needle-setup-$STAMP
+fi
