@@ -9,9 +9,10 @@ strict (an unknown, missing or mis-shaped tensor is an error naming it):
    output dtype (`--dtype`, else the source's own float dtype; float32 for a `.cact`).
 3. The fast tokenizer, from `--tokenizer` or the blob, with the chat template; its vocabulary
    must be the model's.
-4. Source logits for the check in step 7, from `native_forward` (an independent numpy forward
-   over the native tree, with every weight rounded to the output dtype).
-5. HF tensors through the key table (`weight_names.native_to_hf`), cast to the output dtype.
+4. HF tensors through the key table (`weight_names.native_to_hf`, strict).
+5. Source logits for the check in step 7 (`verification.SourceLogits`: an independent numpy
+   forward over the native tree); then the native tree is released and the HF tensors are cast
+   to the output dtype (an overflow is an error naming the tensor).
 6. Write `config.json`, `generation_config.json`, `model.safetensors` (PyTorch layout, metadata
    `format: pt`) and the tokenizer files into a temporary folder beside OUT_DIR.
 7. Verify: every tensor read back from the file equals the in-memory tensor bit for bit, and the
@@ -59,24 +60,17 @@ from needle_hf.tokenization_needle import (
 )
 from needle_hf.weight_names import native_to_hf, optional_heads_in_native
 
+from . import verification
 from .cact import CACT_TAG, read_cact
-from .export import SAFETENSORS_NAME, check_names_and_shapes, numpy_dtype
+from .export import SAFETENSORS_NAME, numpy_dtype
 from .formats import SourceFormat, UnknownSourceFormatError, detect_source_format
 from .native_checkpoint import load_native_checkpoint
-from .native_forward import float32_leaf, native_logits
 
 IM_END_ID = FIRST_CHAT_MARKER_ID + CHAT_MARKERS.index(IM_END)
 GENERATION_EOS_IDS = (EOS_ID, IM_END_ID)
 REPORT_NAME = "conversion_report.json"
 # The model architecture recorded in config.json (the PyTorch class; Flax prefixes "Flax").
 ARCHITECTURE = "NeedleForCausalLM"
-
-# The fixed sequence of the logit check: long enough for every engram tap (11 tokens of history).
-VERIFY_LENGTH = 16
-# Relative tolerance of the logit check, against max(1, max |source logit|). Two float32
-# implementations agree to ~1e-6 of the logit scale; a conversion mistake moves logits by O(1).
-VERIFY_RELATIVE_TOLERANCE = 1e-4
-VERIFY_BACKENDS = ("auto", "flax", "torch")
 
 Progress = Callable[[str], None]
 
@@ -206,7 +200,7 @@ def read_source(path) -> SourceModel:
 
 
 def default_output_dtype(source: SourceModel) -> str:
-    """The source's own float dtype (the widest one if leaves differ); float32 for a `.cact`."""
+    """The source's own float dtype; float32 when its leaves differ, and for a `.cact` (decoded to float32)."""
     if source.format == SourceFormat.CACT:
         return "float32"
     names = set(_dtype_counts(source.params))
@@ -280,7 +274,7 @@ def _build_tokenizer(source: SourceModel, tokenizer_path, config: NeedleConfig, 
 
 
 # --------------------------------------------------------------------------------------------------
-# 5. Tensors.
+# 4-5. Tensors.
 
 
 def cast_tensors(tensors: dict[str, np.ndarray], dtype_name: str) -> dict[str, np.ndarray]:
@@ -290,7 +284,8 @@ def cast_tensors(tensors: dict[str, np.ndarray], dtype_name: str) -> dict[str, n
         value = tensors[name]
         if value.dtype == dtype:
             continue
-        cast = value.astype(dtype, order="C")
+        with np.errstate(over="ignore"):  # overflow is detected and reported just below
+            cast = value.astype(dtype, order="C")
         if not np.all(np.isfinite(cast.astype(np.float32))) and np.all(np.isfinite(value.astype(np.float32))):
             raise ConversionError(
                 f"tensor {name}: values up to {np.abs(value.astype(np.float32)).max():.4g} overflow {dtype_name}; "
@@ -304,105 +299,6 @@ def _write_weights(path: Path, tensors: dict[str, np.ndarray]):
     from safetensors.numpy import save_file
 
     save_file(tensors, str(path), metadata={"format": "pt"})
-
-
-# --------------------------------------------------------------------------------------------------
-# 7. Verification.
-
-
-def verification_tokens(config: NeedleConfig) -> np.ndarray:
-    """The fixed sequence [1, T]: BOS, then ids scattered over the vocabulary by a quadratic hash
-    (no padding, no special ids)."""
-    length = min(VERIFY_LENGTH, config.max_position_embeddings)
-    first_text_id = FIRST_CHAT_MARKER_ID
-    k = np.arange(1, length, dtype=np.int64)
-    spread = first_text_id + (k * 7919 + k * k * 104729) % (config.vocab_size - first_text_id)
-    return np.concatenate([[BOS_ID], spread]).astype(np.int32)[None, :]
-
-
-def verify_tensors(weights_path: Path, expected: dict[str, np.ndarray], config: NeedleConfig):
-    """Every tensor in the written file equals the in-memory tensor bit for bit (names, shapes, dtypes too)."""
-    from safetensors import safe_open
-
-    with safe_open(str(weights_path), framework="numpy") as handle:
-        metadata = handle.metadata() or {}
-        if metadata.get("format") != "pt":
-            raise ConversionError(f"{weights_path}: metadata format {metadata.get('format')!r}, expected 'pt'")
-        shapes = {name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()}
-        check_names_and_shapes(shapes, config, where=str(weights_path))
-        for name, want in expected.items():
-            got = handle.get_tensor(name)
-            if got.dtype != want.dtype or got.shape != want.shape:
-                raise ConversionError(
-                    f"{weights_path}: tensor {name} reads back as {got.dtype}{list(got.shape)}, "
-                    f"expected {want.dtype}{list(want.shape)}"
-                )
-            if not np.array_equal(got.reshape(-1).view(np.uint8), want.reshape(-1).view(np.uint8)):
-                raise ConversionError(f"{weights_path}: tensor {name} does not read back bit-exactly")
-
-
-def _resolve_backend(backend: str) -> str:
-    import importlib.util
-
-    if backend not in VERIFY_BACKENDS:
-        raise ConversionError(f"unknown verification backend {backend!r}; expected one of {VERIFY_BACKENDS}")
-    has_flax = all(importlib.util.find_spec(m) is not None for m in ("jax", "flax"))
-    if has_flax:
-        import transformers
-
-        has_flax = hasattr(transformers, "FlaxAutoModelForCausalLM")
-    has_torch = importlib.util.find_spec("torch") is not None
-    if backend == "auto":
-        if has_flax:
-            return "flax"
-        if has_torch:
-            return "torch"
-        raise ConversionError(
-            "verifying the logits needs the Flax model (transformers 4.x with jax and flax) or the PyTorch "
-            "model (torch); install one, or pass --no-verify"
-        )
-    if backend == "flax" and not has_flax:
-        raise ConversionError("--verify-with flax needs transformers 4.x with jax and flax installed")
-    if backend == "torch" and not has_torch:
-        raise ConversionError("--verify-with torch needs torch installed")
-    return backend
-
-
-def model_logits(folder: Path, tokens: np.ndarray, *, with_mtp: bool, backend: str):
-    """(logits, mtp_logits or None) float32 of the HF model loaded from `folder`, run in float32."""
-    if backend == "flax":
-        import jax
-
-        from needle_hf.modeling_flax_needle import FlaxNeedleForCausalLM
-
-        model = FlaxNeedleForCausalLM.from_pretrained(str(folder))
-        params = model.to_fp32(model.params)  # the stored values, computed in float32
-
-        def forward(params, input_ids):
-            outputs = model(input_ids, params=params, output_mtp_logits=with_mtp)
-            return outputs.logits, outputs.mtp_logits
-
-        logits, mtp_logits = jax.jit(forward)(params, tokens)
-    else:
-        import torch
-
-        from needle_hf.modeling_needle import NeedleForCausalLM
-
-        model = NeedleForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
-        with torch.no_grad():
-            outputs = model(torch.as_tensor(tokens, dtype=torch.long), return_mtp_logits=with_mtp)
-        logits, mtp_logits = outputs.logits, outputs.mtp_logits if with_mtp else None
-    as_numpy = lambda x: None if x is None else np.asarray(x, np.float32)  # noqa: E731
-    return as_numpy(logits), as_numpy(mtp_logits)
-
-
-def _rounded_reader(dtype_name: str):
-    dtype = numpy_dtype(dtype_name)
-    return lambda leaf: np.asarray(leaf).astype(dtype).astype(np.float32)
-
-
-def _max_abs_diff(a: np.ndarray | None, b: np.ndarray | None) -> float | None:
-    return None if a is None or b is None else float(np.max(np.abs(a - b)))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -442,12 +338,22 @@ def convert(
     _check_output_dir(out_dir, overwrite=overwrite)
     if dtype is not None:
         numpy_dtype(dtype)  # validates the name before any work
-    backend = _resolve_backend(verify_with) if verify else None
+    backend = verification.resolve_backend(verify_with) if verify else None
 
+    # Steps 1-5, in memory.
     progress(f"reading {source_path}")
     source = read_source(source_path)
-    source_dtype = "float32" if source.format == SourceFormat.CACT else default_output_dtype(source)
-    dtype = dtype or default_output_dtype(source)
+    source_dtype = default_output_dtype(source)
+    source_facts = {
+        "file": source.path.name,
+        "format": source.format.value,
+        "sha256": source.sha256,
+        "bytes": source.path.stat().st_size,
+        "dtype": source_dtype,
+        "elements_by_dtype": _dtype_counts(source.params),
+        **source.details,
+    }
+    dtype = dtype or source_dtype
     heads = optional_heads_in_native(source.params)
     config = NeedleConfig.from_needle_config(source.native_config, **heads)
     config.dtype = dtype
@@ -456,25 +362,18 @@ def convert(
         f"{source.format.value}: {config.num_hidden_layers} layers, d={config.hidden_size}, vocab {config.vocab_size}, "
         f"heads {[flag for flag, present in heads.items() if present]}; output dtype {dtype}"
     )
-    tokenizer_object, tokenizer_entry = _build_tokenizer(source, tokenizer, config, progress)
-
-    verification: dict = {"tensors_bit_exact": None, "max_abs_logit_diff": None}
-    tokens = verification_tokens(config)
-    if verify:
-        progress("computing source logits (numpy forward over the native tree)")
-        source_logits, source_mtp = native_logits(
-            source.params, config, tokens, with_mtp=config.use_mtp_head, read_leaf=_rounded_reader(dtype)
-        )
-        rounding_change = None
-        if dtype != source_dtype:
-            unrounded, _ = native_logits(source.params, config, tokens, read_leaf=float32_leaf)
-            rounding_change = _max_abs_diff(unrounded, source_logits)
-
+    tokenizer_object, tokenizer_facts = _build_tokenizer(source, tokenizer, config, progress)
     progress("mapping tensors to Hugging Face names")
-    tensors = cast_tensors(native_to_hf(source.params, config), dtype)
-    source.params = None  # the HF tensors are all that is needed from here on
+    tensors = native_to_hf(source.params, config)  # strict: refuses unknown, missing and mis-shaped leaves
     tensor_count, parameters = len(tensors), sum(int(value.size) for value in tensors.values())
+    source_logits = None
+    if verify:
+        progress("computing the source logits (numpy forward over the native tree)")
+        source_logits = verification.SourceLogits(source.params, config, output_dtype=dtype, source_dtype=source_dtype)
+    source.params = None  # the HF tensors are all that is needed from here on
+    tensors = cast_tensors(tensors, dtype)
 
+    # Steps 6-8, in a staging folder beside OUT_DIR.
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".partial", dir=out_dir.parent))
     try:
         progress(f"writing {tensor_count} tensors ({parameters:,} parameters) to {SAFETENSORS_NAME}")
@@ -486,43 +385,21 @@ def convert(
             save_fast_tokenizer(tokenizer_object, str(staging))
 
         progress("verifying: reading every tensor back")
-        verify_tensors(weights_path, tensors, config)
-        verification["tensors_bit_exact"] = True
+        verification.verify_tensors(weights_path, tensors, config)
         del tensors
+        checks: dict = {"tensors_bit_exact": True, "max_abs_logit_diff": None}
         if verify:
             progress(f"verifying: logits of the written folder ({backend} model) against the source")
-            logits, mtp = model_logits(staging, tokens, with_mtp=config.use_mtp_head, backend=backend)
-            scale = max(1.0, float(np.max(np.abs(source_logits))))
-            verification.update(
-                backend=backend,
-                reference="independent numpy forward of the source tree (weights rounded to the output dtype)",
-                tokens=tokens[0].tolist(),
-                max_abs_logit=scale,
-                max_abs_logit_diff=_max_abs_diff(logits, source_logits),
-                max_abs_mtp_logit_diff=_max_abs_diff(mtp, source_mtp),
-                tolerance=VERIFY_RELATIVE_TOLERANCE * scale,
-                output_dtype_rounding_max_abs_logit_change=rounding_change,
+            logits, mtp_logits = verification.model_logits(
+                staging, source_logits.tokens, with_mtp=config.use_mtp_head, backend=backend
             )
-            for label in ("max_abs_logit_diff", "max_abs_mtp_logit_diff"):
-                found = verification[label]
-                if found is not None and not found <= verification["tolerance"]:
-                    raise ConversionError(
-                        f"verification failed: {label.replace('_', ' ')} {found:.3g} exceeds {verification['tolerance']:.3g}; "
-                        f"the written folder does not reproduce {source.path.name}"
-                    )
+            checks.update(source_logits.compare(logits, mtp_logits, backend=backend, source_name=source.path.name))
 
         weights_bytes = weights_path.stat().st_size
         report = {
             "converter": {"name": "needle-hf", "version": needle_hf.__version__},
             "created_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "source": {
-                "file": source.path.name,
-                "format": source.format.value,
-                "sha256": source.sha256,
-                "bytes": source.path.stat().st_size,
-                "dtype": source_dtype,
-                **source.details,
-            },
+            "source": source_facts,
             "output": {
                 "dtype": dtype,
                 "tensors": tensor_count,
@@ -530,22 +407,15 @@ def convert(
                 "safetensors_bytes": weights_bytes,
                 "generation_eos_token_ids": list(GENERATION_EOS_IDS),
             },
-            "tokenizer": tokenizer_entry,
-            "verification": verification,
+            "tokenizer": tokenizer_facts,
+            "verification": checks,
         }
         (staging / REPORT_NAME).write_text(json.dumps(report, indent=2, default=_jsonable) + "\n", encoding="utf-8")
         _publish(staging, out_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    return ConversionResult(
-        out_dir=out_dir,
-        tensors=tensor_count,
-        parameters=parameters,
-        bytes=weights_bytes,
-        seconds=time.perf_counter() - started,
-        report=report,
-    )
+    return ConversionResult(out_dir, tensor_count, parameters, weights_bytes, time.perf_counter() - started, report)
 
 
 def _generation_config():

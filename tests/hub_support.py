@@ -130,36 +130,37 @@ def start_python(python, script, arguments: dict, *, environment: dict[str, str]
         [str(python), str(script), json.dumps(arguments)],
         cwd=str(cwd),
         env=environment,
-        stdout=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
     )
 
 
-def finish_python(process: subprocess.Popen, *, timeout: float, what: str) -> dict:
-    """Wait for a child started by `start_python`; return the JSON object it printed last on stdout.
+def finish_python(process: subprocess.Popen, *, result_file, timeout: float, what: str) -> dict:
+    """Wait for a child started by `start_python`; return the JSON object it wrote to `result_file`.
 
     Raises AssertionError with the child's stderr when it failed.
     """
     try:
-        stdout, stderr = process.communicate(timeout=timeout)
+        _, stderr = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         process.kill()
-        stdout, stderr = process.communicate()
+        _, stderr = process.communicate()
         raise AssertionError(f"{what} did not finish within {timeout} s:\n{stderr[-4000:]}") from None
     if process.returncode != 0:
         raise AssertionError(f"{what} failed (exit {process.returncode}):\n{stderr[-6000:]}")
-    lines = [line for line in stdout.splitlines() if line.startswith("{")]
-    if not lines:
-        raise AssertionError(f"{what} printed no JSON result:\nstdout:\n{stdout[-2000:]}\nstderr:\n{stderr[-4000:]}")
-    return json.loads(lines[-1])
+    result_file = Path(result_file)
+    if not result_file.is_file():
+        raise AssertionError(f"{what} exited without writing {result_file}:\n{stderr[-4000:]}")
+    return json.loads(result_file.read_text(encoding="utf-8"))
 
 
-def run_python(python, script, arguments: dict, *, environment: dict[str, str], cwd, timeout: float, what: str) -> dict:
+def run_python(
+    python, script, arguments: dict, *, environment: dict[str, str], cwd, result_file, timeout: float, what: str
+) -> dict:
     """`start_python` + `finish_python`."""
-    return finish_python(
-        start_python(python, script, arguments, environment=environment, cwd=cwd), timeout=timeout, what=what
-    )
+    process = start_python(python, script, arguments, environment=environment, cwd=cwd)
+    return finish_python(process, result_file=result_file, timeout=timeout, what=what)
 
 
 def interpreter_or_skip(python: Path, reason: str):

@@ -253,18 +253,18 @@ def test_missing_parent_folder(capsys, checkpoint, tmp_path):
 
 def test_failed_verification_leaves_the_old_folder_and_no_staging(capsys, checkpoint, tmp_path, monkeypatch):
     """A late failure (after the files are written) removes the staging folder; --overwrite keeps the old one."""
-    from needle_hf.conversion import convert as pipeline
+    from needle_hf.conversion import verification
 
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
-    real_model_logits = pipeline.model_logits
+    real_model_logits = verification.model_logits
 
     def off_by_a_bit(*args, **kwargs):
         logits, mtp = real_model_logits(*args, **kwargs)
         return logits + 0.01, mtp
 
-    monkeypatch.setattr(pipeline, "model_logits", off_by_a_bit)
+    monkeypatch.setattr(verification, "model_logits", off_by_a_bit)
     _fails(capsys, [checkpoint, out, "--overwrite", "--verify-with", "torch"],
            "verification failed: max abs logit diff", "does not reproduce needle2-tiny.pkl")
     assert _listing(tmp_path) == ["out", "out/keep.txt"]

@@ -18,7 +18,7 @@ from safetensors import safe_open
 import needle_hf
 from needle_hf.cli import main
 from needle_hf.conversion.cact import read_cact_tensors
-from needle_hf.weight_names import native_to_hf, optional_heads_in_native, weight_specs
+from needle_hf.weight_names import native_to_hf, weight_specs
 from needle_reference import (
     BASE_NATIVE_CONFIG,
     TINY_NATIVE_CONFIG,

@@ -48,7 +48,7 @@ NEW_TOKENS = 8
 PACKAGE_DIR = Path(__file__).resolve().parents[1] / "needle_hf"
 
 # What each child does for every source (a local folder, then the hub repository). Outputs: token
-# ids, class modules and generated text in the JSON it prints; logits as .npy files in `out`.
+# ids, class modules and generated text in `out/result.json`; logits as .npy files in `out`.
 CHILD_SCRIPT = """
 import json
 import os
@@ -109,7 +109,7 @@ for label, source in arguments["sources"].items():
 result["needle_hf_modules"] = sorted(
     name for name, module in sys.modules.items() if name.split(".")[0] == "needle_hf" and module is not None
 )
-print(json.dumps(result))
+(out / "result.json").write_text(json.dumps(result))
 """
 
 ENVIRONMENTS = {
@@ -185,7 +185,8 @@ def remote_runs(remote_folder, remote_repo_id, tmp_path_factory) -> dict[str, Re
             continue
         process, scratch = entry
         try:
-            runs[name] = RemoteRun(finish_python(process, timeout=300, what=f"the {name} child"), scratch)
+            report = finish_python(process, result_file=scratch / "result.json", timeout=300, what=f"the {name} child")
+            runs[name] = RemoteRun(report, scratch)
         except AssertionError as error:
             runs[name] = error
     return runs
@@ -215,7 +216,9 @@ def package_outputs(remote_folder):
         prompt = tokenizer.apply_chat_template(
             MESSAGES, tools=TOOLS, add_generation_prompt=True, return_dict=True, return_tensors="pt"
         )
-        generated = model.generate(**prompt, max_new_tokens=NEW_TOKENS, do_sample=False)
+        generated = model.generate(
+            prompt["input_ids"], attention_mask=prompt["attention_mask"], max_new_tokens=NEW_TOKENS, do_sample=False
+        )
     reply = tokenizer.decode(generated[0, prompt["input_ids"].shape[1] :], skip_special_tokens=True)
     return dict(ids=ids, logits=logits, hidden=hidden, reply=reply)
 
