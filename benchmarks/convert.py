@@ -8,7 +8,7 @@ peak RSS comes from `os.wait4` (the kernel's ru_maxrss for that process alone). 
 own time, without the imports, is the "s" the summary line prints; it is reported beside the wall
 time. An "imports only" run measures the floor every variant pays.
 
-Usage: python benchmarks/convert.py [--variants default torch no-verify] [--workdir DIR]
+Usage: python benchmarks/convert.py [--variants default torch no-verify] [--workdir DIR] [--show-steps]
 Needs the test dependencies (the reference builds the checkpoint's parameter tree).
 """
 
@@ -63,6 +63,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
     parser.add_argument("--workdir", type=Path, help="where to write the checkpoint and outputs (default: a temp dir)")
+    parser.add_argument("--show-steps", action="store_true", help="print each run's timed progress lines")
     args = parser.parse_args(argv)
 
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="needle-convert-bench-"))
@@ -72,6 +73,8 @@ def main(argv=None):
     size = checkpoint.stat().st_size
     print(f"checkpoint: {size / 1e6:.1f} MB; targets: <= {TARGET_SECONDS:.0f} s, peak RSS <= {TARGET_RSS_RATIO:.0f}x "
           f"= {TARGET_RSS_RATIO * size / 1e6:.0f} MB\n", flush=True)
+    print(f"load average before: {' '.join(f'{x:.1f}' for x in os.getloadavg())} on {os.cpu_count()} CPUs "
+          "(other processes slow every figure down)\n")
     print(f"{'variant':<14}{'wall s':>8}{'/target':>9}{'convert s':>11}{'peak RSS MB':>13}{'/ckpt':>7}")
     for name in args.variants:
         extra = VARIANTS[name]
@@ -88,6 +91,11 @@ def main(argv=None):
         converting = f"{float(match.group(1)):.1f}" if match else "-"
         print(f"{name:<14}{wall:>8.1f}{wall / TARGET_SECONDS:>9.2f}{converting:>11}{rss / 1e6:>13.0f}{rss / size:>7.2f}",
               flush=True)
+        if args.show_steps:
+            for line in stderr.splitlines():
+                if line.startswith("needle-hf convert ["):
+                    print(f"    {line}")
+    print(f"load average after: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     print("\nwall = the whole process (interpreter, imports, conversion); convert s = the conversion itself "
           "(the summary line); '/target' and '/ckpt' are the ratios to the issue's targets (<= 1.00 and <= 3.00).")
 

@@ -256,7 +256,8 @@ def _build_tokenizer(source: SourceModel, tokenizer_path, config: NeedleConfig, 
             tokenizer = build_fast_tokenizer(str(tokenizer_path), model_max_length=config.max_position_embeddings)
         except DecodeError as error:
             raise TokenizerSourceError(f"{tokenizer_path}: not a SentencePiece model file ({error})") from None
-        entry = {"source": "sentencepiece model", "path": str(tokenizer_path), "sha256": sha256_of(tokenizer_path)}
+        # File names only: the report travels with the folder (to the Hub), local paths do not belong there.
+        entry = {"source": "sentencepiece model", "file": tokenizer_path.name, "sha256": sha256_of(tokenizer_path)}
         where = f"the model ({source.path.name})"
     elif source.tokenizer_table is not None:
         tokenizer = build_fast_tokenizer(source.tokenizer_table, model_max_length=config.max_position_embeddings)

@@ -20,7 +20,9 @@ import sys
 import time
 from typing import Callable, Sequence
 
-DTYPE_CHOICES = ("float32", "bfloat16", "float16")
+from needle_hf.conversion.convert import convert
+from needle_hf.conversion.export import OUTPUT_DTYPES, export_native
+from needle_hf.conversion.verification import VERIFY_BACKENDS
 
 
 def _progress(command: str) -> Callable[[str], None]:
@@ -38,20 +40,18 @@ def _add_convert_arguments(parser: argparse.ArgumentParser):
     parser.add_argument("out_dir", metavar="OUT_DIR", help="the Hugging Face folder to create")
     parser.add_argument("--tokenizer", metavar="TOKENIZER_MODEL",
                         help="SentencePiece tokenizer.model (default: the tokenizer embedded in a .cact)")
-    parser.add_argument("--dtype", choices=DTYPE_CHOICES,
+    parser.add_argument("--dtype", choices=OUTPUT_DTYPES,
                         help="weight dtype of model.safetensors (default: the source's; float32 for a .cact)")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace a non-empty OUT_DIR (only once the new folder is complete)")
     parser.add_argument("--no-verify", dest="verify", action="store_false",
                         help="skip the logit comparison of the written folder with the source "
                              "(the bit-exact read-back of the tensors still runs)")
-    parser.add_argument("--verify-with", choices=("auto", "flax", "torch"), default="auto",
+    parser.add_argument("--verify-with", choices=VERIFY_BACKENDS, default="auto",
                         help="the HF model that checks the logits (default: Flax when installed, else PyTorch)")
 
 
 def _run_convert(args: argparse.Namespace) -> int:
-    from needle_hf.conversion.convert import convert
-
     result = convert(
         args.source,
         args.out_dir,
@@ -69,15 +69,13 @@ def _run_convert(args: argparse.Namespace) -> int:
 def _add_export_arguments(parser: argparse.ArgumentParser):
     parser.add_argument("hf_dir", metavar="HF_DIR", help="a saved Hugging Face Needle folder")
     parser.add_argument("out_path", metavar="OUT.pkl", help="the native format_version 2 checkpoint to write")
-    parser.add_argument("--dtype", choices=DTYPE_CHOICES, help="cast the weights (default: keep the stored dtypes)")
+    parser.add_argument("--dtype", choices=OUTPUT_DTYPES, help="cast the weights (default: keep the stored dtypes)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing OUT.pkl")
     parser.add_argument("--no-verify", dest="verify", action="store_false",
                         help="skip reading the written checkpoint back")
 
 
 def _run_export(args: argparse.Namespace) -> int:
-    from needle_hf.conversion.export import export_native
-
     result = export_native(
         args.hf_dir,
         args.out_path,

@@ -24,7 +24,7 @@ transformers' own `get_relative_import_files`), so adding an import to a model f
 imported file without touching a list here. This module is itself one of the shipped files when a
 model file imports it (the save hook), so it too imports only the standard library and transformers.
 Run from a remote-code copy (a model loaded with `trust_remote_code=True` and saved again), it
-ships the files that were fetched with it and maps only the classes whose files it shipped.
+ships the files that were fetched with it and maps only the classes whose code the folder holds.
 """
 
 from __future__ import annotations
@@ -81,42 +81,45 @@ def remote_code_files(source_dir: str | os.PathLike | None = None) -> dict[str, 
 def write_remote_code(save_directory: str | os.PathLike, config) -> list[str]:
     """Copy the model code into `save_directory` and point `config.auto_map` at it.
 
-    Call it before `config.json` is written (it changes `config.auto_map`). Entries of an existing
-    `auto_map` that are not Needle's (say a custom `AutoTokenizer`) are kept; Needle's entries are
-    replaced by those whose files were shipped.
+    Call it before `config.json` is written (it changes `config.auto_map`). Needle's entries of the
+    map become exactly the classes whose code the folder then holds (module file and every relative
+    import): all five from the installed package; from a remote-code copy, those whose files were
+    fetched with it or were already saved into the folder (transformers' own `custom_object_save`
+    copies the saved model's file first). Entries that are not Needle's (say a custom
+    `AutoTokenizer`) are kept.
 
     Args:
         save_directory: the folder being saved (created if needed).
         config: the `NeedleConfig` about to be saved; its `auto_map` attribute is set.
 
     Returns:
-        The names of the files written, sorted.
+        The names of the files copied, sorted.
 
     Raises:
         RemoteCodeError: configuration_needle.py (or one of its relative imports) is missing next to
             this module, so not even `AutoConfig` could load the folder.
     """
-    needed_by_entry = remote_code_files()
-    if "AutoConfig" not in needed_by_entry:
-        source = Path(__file__).resolve().parent
+    source_dir = Path(__file__).resolve().parent
+    available = remote_code_files(source_dir)
+    if "AutoConfig" not in available:
         raise RemoteCodeError(
-            f"cannot ship the Needle model code: {_module_file(AUTO_MAP['AutoConfig'], source)} or one of the "
-            f"files it imports is missing from {source}"
+            f"cannot ship the Needle model code: {_module_file(AUTO_MAP['AutoConfig'], source_dir)} or one of the "
+            f"files it imports is missing from {source_dir}"
         )
     target_dir = Path(save_directory)
     target_dir.mkdir(parents=True, exist_ok=True)
-    written = set()
-    for path in {path for paths in needed_by_entry.values() for path in paths}:
+    copied = set()
+    for path in {path for paths in available.values() for path in paths}:
         target = target_dir / path.name
-        # Saving into the folder the code was loaded from (a remote-code cache folder) must not copy
-        # a file onto itself.
+        # Saving into the folder the code was loaded from must not copy a file onto itself.
         if not (target.exists() and os.path.samefile(path, target)):
             shutil.copyfile(path, target)
-        written.add(path.name)
+        copied.add(path.name)
 
+    shipped = remote_code_files(target_dir)
     kept = {key: value for key, value in (getattr(config, "auto_map", None) or {}).items() if key not in AUTO_MAP}
-    config.auto_map = {**kept, **{auto_class: AUTO_MAP[auto_class] for auto_class in needed_by_entry}}
-    return sorted(written)
+    config.auto_map = {**kept, **{auto_class: AUTO_MAP[auto_class] for auto_class in shipped}}
+    return sorted(copied)
 
 
 __all__ = ["AUTO_MAP", "RemoteCodeError", "remote_code_files", "write_remote_code"]

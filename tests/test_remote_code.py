@@ -32,6 +32,7 @@ from hub_support import (
 from needle_hf.configuration_needle import NeedleConfig
 from needle_hf.hub import push_folder
 from needle_hf.modeling_needle import NeedleForCausalLM, NeedleModel
+from needle_hf import remote_code
 from needle_hf.remote_code import AUTO_MAP, remote_code_files, write_remote_code
 
 LOGIT_TOLERANCE = 1e-5
@@ -45,7 +46,7 @@ TOOLS = [
 ]
 MESSAGES = [{"role": "user", "content": TEXT}]
 NEW_TOKENS = 8
-PACKAGE_DIR = Path(__file__).resolve().parents[1] / "needle_hf"
+PACKAGE_DIR = Path(remote_code.__file__).resolve().parent
 
 # What each child does for every source (a local folder, then the hub repository). Outputs: token
 # ids, class modules and generated text in `out/result.json`; logits as .npy files in `out`.
