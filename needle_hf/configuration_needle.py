@@ -224,44 +224,45 @@ class NeedleConfig(PretrainedConfig):
         return 1 << (self.hidden_size - 1).bit_length()
 
     def validate_geometry(self):
-        """Raise `ValueError` naming the first inconsistent field."""
+        """Raise `ValueError` naming the first inconsistent field (checks run in order, so a derived
+        quantity is only examined once the fields it depends on are valid)."""
         checks = [
-            (self.vocab_size > 0, f"vocab_size must be positive, got {self.vocab_size}"),
-            (self.hidden_size > 0, f"hidden_size must be positive, got {self.hidden_size}"),
-            (self.num_hidden_layers > 0, f"num_hidden_layers must be positive, got {self.num_hidden_layers}"),
-            (self.num_attention_heads > 0, f"num_attention_heads must be positive, got {self.num_attention_heads}"),
+            (lambda: self.vocab_size > 0, lambda: f"vocab_size must be positive, got {self.vocab_size}"),
+            (lambda: self.hidden_size > 0, lambda: f"hidden_size must be positive, got {self.hidden_size}"),
+            (lambda: self.num_hidden_layers > 0, lambda: f"num_hidden_layers must be positive, got {self.num_hidden_layers}"),
+            (lambda: self.num_attention_heads > 0, lambda: f"num_attention_heads must be positive, got {self.num_attention_heads}"),
             (
-                self.num_key_value_heads > 0 and self.num_attention_heads % self.num_key_value_heads == 0,
-                f"num_key_value_heads ({self.num_key_value_heads}) must divide num_attention_heads "
+                lambda: self.num_key_value_heads > 0 and self.num_attention_heads % self.num_key_value_heads == 0,
+                lambda: f"num_key_value_heads ({self.num_key_value_heads}) must divide num_attention_heads "
                 f"({self.num_attention_heads})",
             ),
             (
-                self.attention_dim % self.num_attention_heads == 0,
-                f"num_attention_heads ({self.num_attention_heads}) must divide attention_dim ({self.attention_dim})",
+                lambda: self.attention_dim % self.num_attention_heads == 0,
+                lambda: f"num_attention_heads ({self.num_attention_heads}) must divide attention_dim ({self.attention_dim})",
             ),
-            (self.head_dim % 2 == 0, f"head_dim ({self.head_dim}) must be even for the half-split RoPE"),
-            (self.max_position_embeddings > 0, "max_position_embeddings must be positive"),
-            (self.hyper_connection_lanes > 0, "hyper_connection_lanes must be positive"),
-            (len(self.engram_orders) > 0, "engram_orders must name at least one n-gram order"),
-            (all(o >= 1 for o in self.engram_orders), f"engram_orders must be >= 1, got {self.engram_orders}"),
-            (self.engram_heads >= 0, f"engram_heads must be >= 0 (0 = auto), got {self.engram_heads}"),
-            (self.engram_slots > 0, f"engram_slots must be positive, got {self.engram_slots}"),
+            (lambda: self.head_dim % 2 == 0, lambda: f"head_dim ({self.head_dim}) must be even for the half-split RoPE"),
+            (lambda: self.max_position_embeddings > 0, lambda: "max_position_embeddings must be positive"),
+            (lambda: self.hyper_connection_lanes > 0, lambda: "hyper_connection_lanes must be positive"),
+            (lambda: len(self.engram_orders) > 0, lambda: "engram_orders must name at least one n-gram order"),
+            (lambda: all(o >= 1 for o in self.engram_orders), lambda: f"engram_orders must be >= 1, got {self.engram_orders}"),
+            (lambda: self.engram_heads >= 0, lambda: f"engram_heads must be >= 0 (0 = auto), got {self.engram_heads}"),
+            (lambda: self.engram_slots > 0, lambda: f"engram_slots must be positive, got {self.engram_slots}"),
             (
-                self.engram_sub_dim >= 1,
-                f"hidden_size ({self.hidden_size}) is smaller than the {self.engram_num_tables} engram tables",
-            ),
-            (
-                len(set(self.engram_layers)) == len(self.engram_layers),
-                f"engram_layers has duplicates: {self.engram_layers}",
+                lambda: self.engram_sub_dim >= 1,
+                lambda: f"hidden_size ({self.hidden_size}) is smaller than the {self.engram_num_tables} engram tables",
             ),
             (
-                all(0 <= layer < self.num_hidden_layers for layer in self.engram_layers),
-                f"engram_layers {self.engram_layers} must lie in [0, num_hidden_layers={self.num_hidden_layers})",
+                lambda: len(set(self.engram_layers)) == len(self.engram_layers),
+                lambda: f"engram_layers has duplicates: {self.engram_layers}",
+            ),
+            (
+                lambda: all(0 <= layer < self.num_hidden_layers for layer in self.engram_layers),
+                lambda: f"engram_layers {self.engram_layers} must lie in [0, num_hidden_layers={self.num_hidden_layers})",
             ),
         ]
         for ok, message in checks:
-            if not ok:
-                raise ValueError(f"Invalid NeedleConfig: {message}")
+            if not ok():
+                raise ValueError(f"Invalid NeedleConfig: {message()}")
 
     # ----------------------------------------------------------------------------------------------
     # Native (reference) config dicts.
