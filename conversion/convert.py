@@ -23,11 +23,9 @@ strict (an unknown, missing or mis-shaped tensor is an error naming it):
    temporary folder is renamed to OUT_DIR. An existing OUT_DIR is replaced only now (`overwrite`).
    Any failure removes the temporary folder: nothing is left behind.
 
-Generation defaults: Needle's trained assistant turn ends `... </tool_call><|im_end|>` followed by
-EOS (the reference appends EOS to every target and stops at EOS). `generation_config.json` stops at
-either (`eos_token_id = [EOS, <|im_end|>]` = [1, 5]): the decoded text is the same as stopping at
-EOS only (skip_special_tokens drops EOS, and `<|im_end|>` is a text marker either way), and
-generation ends one step earlier, also when a model emits `<|im_end|>` without the EOS after it.
+Generation defaults: generation stops at EOS (1), as the reference's own generation does; Needle's
+trained assistant turn ends `... </tool_call><|im_end|>` followed by EOS. A single id because
+transformers' Flax `generate()` accepts only one `eos_token_id`. pad 0, bos 2.
 """
 
 from __future__ import annotations
@@ -47,7 +45,6 @@ from typing import Callable
 import numpy as np
 
 import needle_hf
-from needle_hf.chat_template import CHAT_MARKERS, FIRST_CHAT_MARKER_ID, IM_END
 from needle_hf.configuration_needle import NeedleConfig
 from needle_hf.tokenization_needle import (
     BOS_ID,
@@ -66,8 +63,9 @@ from .export import SAFETENSORS_NAME, numpy_dtype
 from .formats import SourceFormat, UnknownSourceFormatError, detect_source_format
 from .native_checkpoint import load_native_checkpoint
 
-IM_END_ID = FIRST_CHAT_MARKER_ID + CHAT_MARKERS.index(IM_END)
-GENERATION_EOS_IDS = (EOS_ID, IM_END_ID)
+# Generation stops at EOS, as the reference's generation does (a trained turn ends `<|im_end|>` then
+# EOS). One id, not a list: transformers' Flax generate() accepts a single eos_token_id only.
+GENERATION_EOS_ID = EOS_ID
 REPORT_NAME = "conversion_report.json"
 # The model architecture recorded in config.json (the PyTorch class; Flax prefixes "Flax").
 ARCHITECTURE = "NeedleForCausalLM"
@@ -406,7 +404,7 @@ def convert(
                 "tensors": tensor_count,
                 "parameters": parameters,
                 "safetensors_bytes": weights_bytes,
-                "generation_eos_token_ids": list(GENERATION_EOS_IDS),
+                "generation_eos_token_id": GENERATION_EOS_ID,
             },
             "tokenizer": tokenizer_facts,
             "verification": checks,
@@ -422,7 +420,7 @@ def convert(
 def _generation_config():
     from transformers import GenerationConfig
 
-    return GenerationConfig(bos_token_id=BOS_ID, eos_token_id=list(GENERATION_EOS_IDS), pad_token_id=PAD_ID)
+    return GenerationConfig(bos_token_id=BOS_ID, eos_token_id=GENERATION_EOS_ID, pad_token_id=PAD_ID)
 
 
 def _jsonable(value):

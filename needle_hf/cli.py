@@ -23,6 +23,7 @@ from typing import Callable, Sequence
 from needle_hf.conversion.convert import convert
 from needle_hf.conversion.export import OUTPUT_DTYPES, export_native
 from needle_hf.conversion.verification import VERIFY_BACKENDS
+from needle_hf import hub
 
 
 def _progress(command: str) -> Callable[[str], None]:
@@ -49,6 +50,7 @@ def _add_convert_arguments(parser: argparse.ArgumentParser):
                              "(the bit-exact read-back of the tensors still runs)")
     parser.add_argument("--verify-with", choices=VERIFY_BACKENDS, default="auto",
                         help="the HF model that checks the logits (default: Flax when installed, else PyTorch)")
+    hub.add_convert_push_arguments(parser)
 
 
 def _run_convert(args: argparse.Namespace) -> int:
@@ -63,6 +65,7 @@ def _run_convert(args: argparse.Namespace) -> int:
         progress=_progress("convert"),
     )
     print(result.summary(), flush=True)
+    hub.push_converted_folder(args, result.out_dir)
     return 0
 
 
@@ -92,6 +95,7 @@ def _run_export(args: argparse.Namespace) -> int:
 COMMANDS = {
     "convert": ("convert a native .pkl or a .cact into a Hugging Face folder", _add_convert_arguments, _run_convert),
     "export": ("convert a Hugging Face Needle folder back into a native .pkl", _add_export_arguments, _run_export),
+    "push": ("push a Hugging Face Needle folder to the Hub (model card included)", hub.add_push_arguments, hub.run_push),
 }
 
 

@@ -130,6 +130,8 @@ def start_python(python, script, arguments: dict, *, environment: dict[str, str]
         [str(python), str(script), json.dumps(arguments)],
         cwd=str(cwd),
         env=environment,
+        # No terminal: transformers' "trust this remote code? [y/N]" prompt gets end-of-file at once.
+        stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
@@ -163,6 +165,23 @@ def run_python(
     return finish_python(process, result_file=result_file, timeout=timeout, what=what)
 
 
+def flax_model_available() -> bool:
+    """Whether this interpreter can run needle_hf's Flax model: jax and flax, and a transformers with
+    Flax support (4.x; transformers 5 dropped it, while .venv-v5 still has jax for the reference)."""
+    import importlib.util
+
+    if importlib.util.find_spec("jax") is None or importlib.util.find_spec("flax") is None:
+        return False
+    return importlib.util.find_spec("transformers.modeling_flax_utils") is not None
+
+
+def skip_without_flax_model():
+    import pytest
+
+    if not flax_model_available():
+        pytest.skip("needle_hf's Flax model needs transformers 4.x with jax and flax (the main .venv)")
+
+
 def interpreter_or_skip(python: Path, reason: str):
     """`python` if it exists, else skip the calling test with `reason`."""
     import pytest
@@ -181,11 +200,13 @@ __all__ = [
     "cached_snapshot_files",
     "child_environment",
     "finish_python",
+    "flax_model_available",
     "interpreter_or_skip",
     "lfs_pointer",
     "partial_downloads",
     "run_python",
     "sha256_of_files",
+    "skip_without_flax_model",
     "start_python",
     "write_child_script",
     "write_needle_folder",

@@ -133,7 +133,7 @@ def test_folder_holds_config_generation_config_and_the_native_tensors(converted,
     assert (config.hidden_size, config.num_hidden_layers, config.vocab_size) == (64, 3, FIXTURE_VOCAB_SIZE)
     assert config.use_mtp_head and config.use_contrastive_head and config.use_confidence_head
     generation = GenerationConfig.from_pretrained(str(converted))
-    assert (generation.bos_token_id, generation.eos_token_id, generation.pad_token_id) == (2, [1, 5], 0)
+    assert (generation.bos_token_id, generation.eos_token_id, generation.pad_token_id) == (2, 1, 0)
 
     tensors, metadata = _read_safetensors(converted / "model.safetensors")
     assert metadata == {"format": "pt"}

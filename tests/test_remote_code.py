@@ -25,6 +25,7 @@ from hub_support import (
     V5_PYTHON,
     child_environment,
     finish_python,
+    skip_without_flax_model,
     start_python,
     write_child_script,
     write_needle_folder,
@@ -69,7 +70,8 @@ for label, source in arguments["sources"].items():
     entry = result["sources"][label] = {}
     config = AutoConfig.from_pretrained(source, trust_remote_code=True)
     entry["config_class"] = f"{type(config).__module__}.{type(config).__name__}"
-    tokenizer = AutoTokenizer.from_pretrained(source)
+    # The tokenizer is a built-in class; transformers 5 still reads config.json (and its auto_map) first.
+    tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=True)
     entry["tokenizer_class"] = type(tokenizer).__name__
     ids = tokenizer(arguments["text"])["input_ids"]
     entry["input_ids"] = ids
@@ -226,7 +228,7 @@ def package_outputs(remote_folder):
 
 @pytest.fixture(scope="module")
 def package_flax_logits(remote_folder, package_outputs):
-    pytest.importorskip("jax", reason="the package's Flax model needs jax (transformers 4.57 environment)")
+    skip_without_flax_model()
     from needle_hf.modeling_flax_needle import FlaxNeedleForCausalLM
 
     folder, _ = remote_folder
@@ -293,7 +295,7 @@ def test_pytorch_save_pretrained_writes_the_model_code_and_auto_map(remote_folde
 
 
 def test_flax_save_pretrained_writes_the_model_code_and_auto_map(remote_folder, tmp_path):
-    pytest.importorskip("jax", reason="the package's Flax model needs jax (transformers 4.57 environment)")
+    skip_without_flax_model()
     from needle_hf.modeling_flax_needle import FlaxNeedleForCausalLM
 
     folder, _ = remote_folder
