@@ -1,7 +1,7 @@
 """Needle 2 model configuration.
 
-This file is self-contained (it imports nothing from the rest of the package) because it is also
-written next to saved weights as remote code for users who load with ``trust_remote_code=True``.
+This file is also written next to saved weights as remote code for users who load with
+``trust_remote_code=True``; its only package import (remote_code.py, when saving) travels with it.
 """
 
 from transformers import PretrainedConfig
@@ -263,6 +263,17 @@ class NeedleConfig(PretrainedConfig):
         for ok, message in checks:
             if not ok():
                 raise ValueError(f"Invalid NeedleConfig: {message()}")
+
+    def save_pretrained(self, save_directory, push_to_hub=False, **kwargs):
+        """`PretrainedConfig.save_pretrained`, plus the model code and `auto_map` beside config.json, so
+        that the folder loads with `trust_remote_code=True` without needle_hf (see remote_code.py).
+
+        Every model save and the converter go through here, after `push_to_hub` has recorded its file
+        timestamps, so the code files are uploaded too."""
+        from .remote_code import write_remote_code
+
+        write_remote_code(save_directory, self)
+        return super().save_pretrained(save_directory, push_to_hub=push_to_hub, **kwargs)
 
     # ----------------------------------------------------------------------------------------------
     # Native (reference) config dicts.

@@ -30,10 +30,14 @@ from . import __version__
 from .configuration_needle import NeedleConfig
 from .conversion.export import check_names_and_shapes, read_hf_config, weight_files
 from .model_card import folder_model_card
+from .remote_code import AUTO_MAP, remote_code_files
 
 DEFAULT_BRANCH = "main"
 README_NAME = "README.md"
 COMMIT_ID = re.compile(r"[0-9a-f]{40}")
+# The Auto classes a pushed repository must map to shipped code: what `AutoConfig` and
+# `AutoModelForCausalLM.from_pretrained(..., trust_remote_code=True)` and the pipeline need.
+REQUIRED_AUTO_CLASSES = ("AutoConfig", "AutoModelForCausalLM")
 PUSH_HELP = "upload a saved Hugging Face Needle folder to the Hub (with its model card)"
 
 
@@ -53,23 +57,12 @@ def _tensor_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _missing_remote_code(auto_map: dict, folder: Path) -> list[str]:
-    """`"AutoClass -> module.py"` for each `auto_map` entry whose code file is not in `folder`."""
-    missing = []
-    for auto_class, reference in auto_map.items():
-        # Tokenizer entries are [slow, fast] pairs, the others "module.Class"; "repo--module.Class"
-        # points at code in another repository and is not this folder's to ship.
-        for target in reference if isinstance(reference, (list, tuple)) else [reference]:
-            if target and "--" not in target and not (folder / f"{target.rsplit('.', 1)[0]}.py").is_file():
-                missing.append(f"{auto_class} -> {target.rsplit('.', 1)[0]}.py")
-    return missing
-
-
 def check_folder(folder: str | os.PathLike) -> NeedleConfig:
     """Check that `folder` is a complete Needle folder; return its config.
 
     Raises:
-        PushError: no auto_map in config.json, or a code file it names is missing.
+        PushError: config.json's auto_map lacks AutoConfig or AutoModelForCausalLM, or a Needle class
+            it maps lacks its code (module file or a file that imports) in the folder.
         ValueError (from the converter's readers): not a Needle config.json, no weights, or a
             tensor missing, unknown or of the wrong shape.
     """
@@ -78,17 +71,24 @@ def check_folder(folder: str | os.PathLike) -> NeedleConfig:
         raise PushError(f"{folder} is not a folder; expected a saved Hugging Face Needle folder")
     config = read_hf_config(folder)
     check_names_and_shapes(_tensor_shapes(folder), config, where=str(folder))
-    auto_map = json.loads((folder / "config.json").read_text(encoding="utf-8")).get("auto_map")
-    if not auto_map:
+    auto_map = json.loads((folder / "config.json").read_text(encoding="utf-8")).get("auto_map") or {}
+    absent = [auto_class for auto_class in REQUIRED_AUTO_CLASSES if auto_class not in auto_map]
+    if absent:
         raise PushError(
-            f"{folder / 'config.json'} has no auto_map, so users without needle_hf could not load the repository; "
-            "save the folder again with needle_hf (save_pretrained writes the model code and auto_map)"
+            f"{folder / 'config.json'} auto_map does not name {', '.join(absent)}, so users without needle_hf "
+            "could not load the repository; save the folder again with needle_hf (saving writes the model code "
+            "and auto_map)"
         )
-    missing = _missing_remote_code(auto_map, folder)
-    if missing:
+    complete = remote_code_files(folder)
+    incomplete = [
+        f"{auto_class} -> {reference}"
+        for auto_class, reference in auto_map.items()
+        if auto_class in AUTO_MAP and auto_class not in complete
+    ]
+    if incomplete:
         raise PushError(
-            f"{folder}: config.json auto_map names code files that are not in the folder ({', '.join(missing)}); "
-            "save the folder again with needle_hf"
+            f"{folder}: the code of {', '.join(incomplete)} (its module file or a file it imports) is not in the "
+            "folder; save the folder again with needle_hf"
         )
     return config
 

@@ -81,6 +81,9 @@ CONTRASTIVE_PROBES = 4
 CONFIDENCE_PROBES = 8
 # Epsilon of the contrastive embedding's L2 normalisation.
 CONTRASTIVE_NORM_EPS = 1e-12
+# Widest logit spread (max - min, in nats) of one lane-mixing matrix that `sinkhorn` normalises in
+# linear space: entries stay >= exp(-60) / 3 ~ 3e-27, far above float32's smallest normal (1.2e-38).
+SINKHORN_LINEAR_SPACE_MAX_SPREAD = 30.0
 
 
 class NeedleWeightsError(ValueError):
@@ -111,11 +114,13 @@ def rms_unit(x: torch.Tensor, eps: float) -> torch.Tensor:
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Half-split RoPE: ``[x1 cos - x2 sin, x2 cos + x1 sin]``, computed in float32.
 
-    x: [B, heads, S, head_dim]; cos, sin: [B, 1, S, head_dim // 2] float32.
+    Written as ``x * cos + [-x2, x1] * sin`` with each table repeated over both halves: the same
+    products and sums, bit for bit (negation is exact), in 5 tensor ops instead of 8.
+    x: [B, heads, S, head_dim]; cos, sin: [B, 1, S, head_dim] float32 (each half the same).
     """
     half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x * cos + rotated * sin).to(x.dtype)
 
 
 def shift_right(x: torch.Tensor, offset: int) -> torch.Tensor:
@@ -126,13 +131,38 @@ def shift_right(x: torch.Tensor, offset: int) -> torch.Tensor:
     return torch.cat([filler, x[:, : max(x.shape[1] - offset, 0)]], dim=1)[:, : x.shape[1]]
 
 
-def sinkhorn(logits: torch.Tensor, iterations: int = SINKHORN_ITERATIONS) -> torch.Tensor:
-    """Log-space Sinkhorn normalisation of [..., n, n] float32 logits: rows, then columns, per round."""
+def log_space_sinkhorn(logits: torch.Tensor, iterations: int = SINKHORN_ITERATIONS) -> torch.Tensor:
+    """Sinkhorn normalisation of [..., n, n] float32 logits as the reference states it: each round
+    subtracts the logsumexp over rows, then over columns; the result is ``exp`` of the final logits."""
     log_k = logits
     for _ in range(iterations):
         log_k = log_k - torch.logsumexp(log_k, dim=-1, keepdim=True)
         log_k = log_k - torch.logsumexp(log_k, dim=-2, keepdim=True)
     return torch.exp(log_k)
+
+
+def sinkhorn(logits: torch.Tensor, iterations: int = SINKHORN_ITERATIONS) -> torch.Tensor:
+    """Doubly-stochastic [..., n, n] float32 matrices: `log_space_sinkhorn`, computed in linear space.
+
+    Subtracting a row's logsumexp from its logits is dividing ``exp(logits)`` by the row's sum, so
+    ``k = exp(logits - max)`` normalised by row sums, then column sums, per round, is the same
+    computation in exact arithmetic. It takes 2 tensor ops per half-round instead of about 9 (a
+    logsumexp is max, subtract, exp, sum, log, add, with infinity guards); the routing matrices are
+    tiny ([B, S, 4, 4], 20 rounds in each of 27 layers), so op count is all their cost in decoding.
+
+    Linear space could underflow where one matrix's logits spread far: with spread ``s = max - min``
+    every intermediate entry stays above ``exp(-2 s) / (n - 1)`` (row and column scalings never
+    differ by more than ``exp(s)``), a normal float32 while ``s <= SINKHORN_LINEAR_SPACE_MAX_SPREAD``.
+    Wider logits take the log-space path.
+    """
+    shifted = logits - logits.amax(dim=(-2, -1), keepdim=True)  # [..., n, n], each matrix's max at 0
+    if shifted.numel() and shifted.min().item() < -SINKHORN_LINEAR_SPACE_MAX_SPREAD:
+        return log_space_sinkhorn(logits, iterations)
+    k = torch.exp(shifted)
+    for _ in range(iterations):
+        k = k / k.sum(dim=-1, keepdim=True)
+        k = k / k.sum(dim=-2, keepdim=True)
+    return k
 
 
 def lane_mean(lanes: torch.Tensor) -> torch.Tensor:
@@ -156,11 +186,13 @@ def engram_hash_indices(tokens: torch.Tensor, orders, num_heads: int, slots: int
     return torch.stack(rows, dim=-1)
 
 
-def attention_allowed(key_visible: torch.Tensor, past_length: int, query_length: int) -> torch.Tensor:
-    """Boolean attention mask [B, 1, S, past + S]: causal, restricted to visible keys.
+def attention_allowed(key_visible: torch.Tensor, past_length: int, query_length: int, group: int) -> torch.Tensor:
+    """Boolean attention mask [B, 1, group * S, past + S]: causal, restricted to visible keys.
 
     A query may always attend to itself, so that the rows of padding positions (which see no visible
     key) stay finite; real positions are unaffected because they see themselves anyway.
+    The [S, past + S] rows repeat ``group`` times: one copy per query head that shares a key/value
+    head (`NeedleAttention` stacks those heads' queries, rows ordered (head in group, position)).
     """
     device = key_visible.device
     query_positions = torch.arange(query_length, device=device) + past_length  # [S]
@@ -168,7 +200,7 @@ def attention_allowed(key_visible: torch.Tensor, past_length: int, query_length:
     causal = key_positions[None, :] <= query_positions[:, None]  # [S, K]
     itself = key_positions[None, :] == query_positions[:, None]  # [S, K]
     allowed = (causal[None] & key_visible[:, None, :]) | itself[None]  # [B, S, K]
-    return allowed[:, None]
+    return allowed.repeat(1, group, 1)[:, None]  # [B, 1, group * S, K]
 
 
 def default_position_ids(
@@ -187,9 +219,11 @@ class NeedleStepInputs:
     """Tensors derived once per forward call and shared by every layer (and the MTP block).
 
     key_visible: [B, past + S] bool, which positions are real (not padding).
-    allowed: [B, 1, S, past + S] bool attention mask.
-    cos, sin: [B, 1, S, head_dim // 2] float32 RoPE tables of the new positions.
+    allowed: [B, 1, group * S, past + S] bool attention mask (see `attention_allowed`).
+    cos, sin: [B, 1, S, head_dim] float32 RoPE tables of the new positions (both halves the same).
     walsh: [n, n] Walsh-Hadamard matrix (compute dtype).
+    pre_offsets, post_offsets: [layers, L] float32 lane-ownership offsets of the hyper-connection
+        logits (`numerics.hyper_connection_offsets`).
     """
 
     key_visible: torch.Tensor
@@ -197,6 +231,8 @@ class NeedleStepInputs:
     cos: torch.Tensor
     sin: torch.Tensor
     walsh: torch.Tensor
+    pre_offsets: torch.Tensor
+    post_offsets: torch.Tensor
 
 
 # --------------------------------------------------------------------------------------------------
@@ -261,10 +297,11 @@ class NeedleAttention(nn.Module):
         if cache is not None and self.layer_idx is not None:
             k, v = cache.update(k, v, self.layer_idx)  # [B, KV, past + S, hd]
 
-        # Query head h reads key/value head h // (H / KV).
-        repeats = self.num_heads // self.num_kv_heads
-        k = k.repeat_interleave(repeats, dim=1)  # [B, H, past + S, hd]
-        v = v.repeat_interleave(repeats, dim=1)
+        # Query head h reads key/value head h // group. Stacking each group's queries as rows,
+        # [B, KV, group * S, hd], lets every key/value head serve its group where it lies, instead of
+        # copying the whole cache `group` times per layer and step (`step.allowed` repeats to match).
+        group = self.num_heads // self.num_kv_heads
+        q = q.reshape(batch, self.num_kv_heads, group * length, self.head_dim)
 
         probs = None
         if self.config._attn_implementation == "sdpa" and not need_weights:
@@ -273,10 +310,11 @@ class NeedleAttention(nn.Module):
             # Eager: float32 scores and softmax, probabilities cast to the value dtype (as the reference).
             scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * self.head_dim**-0.5
             scores = scores.masked_fill(~step.allowed, torch.finfo(torch.float32).min)
-            probs = scores.softmax(dim=-1)  # [B, H, S, past + S]
+            probs = scores.softmax(dim=-1)  # [B, KV, group * S, past + S]
             out = torch.matmul(probs.to(v.dtype), v)
-        out = out.transpose(1, 2).reshape(batch, length, -1)  # [B, S, attention_dim]
-        out = out * torch.sigmoid(self.gate_proj(x))
+            probs = probs.view(batch, self.num_heads, length, -1)  # [B, H, S, past + S]
+        out = out.view(batch, self.num_heads, length, self.head_dim).transpose(1, 2).reshape(batch, length, -1)
+        out = out * torch.sigmoid(self.gate_proj(x))  # [B, S, attention_dim]
         return self.o_proj(out), (probs if need_weights else None)
 
 
@@ -293,7 +331,8 @@ class NeedleHadamardMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, walsh: torch.Tensor) -> torch.Tensor:
         """x: [B, S, d], walsh: [n, n] -> [B, S, d]."""
-        z = F.pad(x, (0, walsh.shape[0] - self.hidden_size))  # [B, S, n]
+        padding = walsh.shape[0] - self.hidden_size
+        z = F.pad(x, (0, padding)) if padding else x  # [B, S, n]
         z = (self.diag_in * z) @ walsh
         z = F.silu(self.diag_hidden * z) @ walsh
         return (self.diag_out * z)[..., : self.hidden_size]
@@ -356,22 +395,21 @@ class NeedleHyperConnection(nn.Module):
         self.pre_alpha = nn.Parameter(torch.tensor(HYPER_CONNECTION_ALPHA_INIT))
         self.post_alpha = nn.Parameter(torch.tensor(HYPER_CONNECTION_ALPHA_INIT))
         self.res_alpha = nn.Parameter(torch.tensor(HYPER_CONNECTION_ALPHA_INIT))
-        # Layer i owns lane i mod lanes (fixed offsets, not parameters).
-        pre_offsets, post_offsets = hyper_connection_offsets(config.num_hidden_layers, lanes)
-        self.pre_offset = tuple(float(v) for v in pre_offsets[layer_idx])
-        self.post_offset = tuple(float(v) for v in post_offsets[layer_idx])
+        # Layer i owns lane i mod lanes: fixed logit offsets (not parameters), `step.pre_offsets[i]`.
+        self.layer_idx = layer_idx
 
     @staticmethod
     def _scaled_projection(unit: torch.Tensor, proj: nn.Linear, alpha: torch.Tensor) -> torch.Tensor:
         """``alpha * (x̂ @ W.T)`` in float32."""
         return alpha.float() * F.linear(unit, proj.weight.float())
 
-    def route(self, lanes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def route(
+        self, lanes: torch.Tensor, step: NeedleStepInputs
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """lanes: [B, S, L, d] -> (read weights [B, S, L], write weights [B, S, L], mixing [B, S, L, L]), float32."""
         batch, length, n, width = lanes.shape
         unit = rms_unit(lanes.reshape(batch, length, n * width), self.eps)  # [B, S, L * d]
-        pre_offset = torch.tensor(self.pre_offset, device=lanes.device)
-        post_offset = torch.tensor(self.post_offset, device=lanes.device)
+        pre_offset, post_offset = step.pre_offsets[self.layer_idx], step.post_offsets[self.layer_idx]  # [L]
         read = torch.sigmoid(
             self._scaled_projection(unit, self.pre_proj, self.pre_alpha) + self.pre_bias.float() + pre_offset
         )
@@ -400,9 +438,10 @@ class NeedleDecoderLayer(NeedleBlock):
         need_weights: bool = False,
     ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """lanes: [B, S, L, d]; engram: (key, value) [B, S, d] of this layer's engram site, if any."""
-        read, write, mixing = self.hyper_connection.route(lanes)
+        read, write, mixing = self.hyper_connection.route(lanes, step)
         lanes_f32 = lanes.float()
-        u = torch.einsum("bsl,bsld->bsd", read, lanes_f32).to(lanes.dtype)  # [B, S, d]
+        # Batched matrix products over (b, s) (what einsum would run, without its per-call planning).
+        u = torch.matmul(read[:, :, None, :], lanes_f32)[:, :, 0].to(lanes.dtype)  # [B, S, d]
         x = u
         if engram is not None:
             key, value = engram
@@ -411,7 +450,7 @@ class NeedleDecoderLayer(NeedleBlock):
             x = u + (torch.sigmoid(relevance)[..., None] * value.float()).to(u.dtype)
         y, probs = self.block(x, step, cache=cache, need_weights=need_weights)
         y = y - u
-        mixed = torch.einsum("bsij,bsjd->bsid", mixing, lanes_f32) + write[..., None] * y.float()[:, :, None, :]
+        mixed = torch.matmul(mixing, lanes_f32) + write[..., None] * y.float()[:, :, None, :]  # [B, S, L, d]
         return mixed.to(lanes.dtype), probs
 
 
@@ -705,8 +744,8 @@ class NeedleModel(NeedlePreTrainedModel):
         self.norm = NeedleRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.engrams = nn.ModuleList([NeedleEngram(config) for _ in config.engram_layers])
         self.embed_scale = math.sqrt(config.hidden_size)
-        # Derived constant, kept out of the state dict: converted copies per (device, dtype).
-        self._walsh_copies: dict[tuple, torch.Tensor] = {}
+        # Constants derived from the config, kept out of the state dict: copies per (name, device, dtype).
+        self._constant_copies: dict[tuple, torch.Tensor] = {}
         self.post_init()
 
     @property
@@ -720,13 +759,24 @@ class NeedleModel(NeedlePreTrainedModel):
     def set_input_embeddings(self, value: nn.Embedding):
         self.embed_tokens = value
 
-    def walsh(self, device, dtype) -> torch.Tensor:
-        """The [n, n] orthonormal Walsh-Hadamard matrix of the MLPs, on ``device`` in ``dtype``."""
-        placement = (str(device), dtype)
-        if placement not in self._walsh_copies:
-            matrix = torch.from_numpy(walsh_matrix(self.config.hadamard_size))
-            self._walsh_copies[placement] = matrix.to(device=device, dtype=dtype)
-        return self._walsh_copies[placement]
+    def constant(self, name: str, device, dtype) -> torch.Tensor:
+        """A constant table of the architecture on ``device`` in ``dtype``, built once per placement:
+        ``walsh`` [n, n] (the MLPs' orthonormal Walsh-Hadamard matrix), ``rope_inverse_frequencies``
+        [head_dim // 2], ``pre_offsets`` / ``post_offsets`` [layers, L] (hyper-connection lane ownership)."""
+        placement = (name, str(device), dtype)
+        if placement not in self._constant_copies:
+            config = self.config
+            if name == "walsh":
+                table = walsh_matrix(config.hadamard_size)
+            elif name == "rope_inverse_frequencies":
+                table = rope_inverse_frequencies(config.head_dim, config.rope_theta)
+            elif name in ("pre_offsets", "post_offsets"):
+                offsets = hyper_connection_offsets(config.num_hidden_layers, config.hyper_connection_lanes)
+                table = offsets[0] if name == "pre_offsets" else offsets[1]
+            else:
+                raise KeyError(f"no constant table named {name!r}")
+            self._constant_copies[placement] = torch.from_numpy(table).to(device=device, dtype=dtype)
+        return self._constant_copies[placement]
 
     def step_inputs(
         self,
@@ -755,14 +805,18 @@ class NeedleModel(NeedlePreTrainedModel):
             key_visible = attention_mask.to(device=device, dtype=torch.bool)
         if position_ids is None:
             position_ids = default_position_ids(attention_mask, past_length, length, batch, device)
-        inverse_frequencies = torch.from_numpy(rope_inverse_frequencies(self.config.head_dim, self.config.rope_theta))
-        angles = position_ids.to(device).float()[..., None] * inverse_frequencies.to(device)  # [B, S, hd/2]
+        inverse_frequencies = self.constant("rope_inverse_frequencies", device, torch.float32)
+        angles = position_ids.to(device).float()[..., None] * inverse_frequencies  # [B, S, hd/2]
+        angles = torch.cat([angles, angles], dim=-1)[:, None]  # [B, 1, S, hd], see `apply_rotary`
+        group = self.config.num_attention_heads // self.config.num_key_value_heads
         return NeedleStepInputs(
             key_visible=key_visible,
-            allowed=attention_allowed(key_visible, past_length, length),
-            cos=torch.cos(angles)[:, None],
-            sin=torch.sin(angles)[:, None],
-            walsh=self.walsh(device, dtype),
+            allowed=attention_allowed(key_visible, past_length, length, group),
+            cos=torch.cos(angles),
+            sin=torch.sin(angles),
+            walsh=self.constant("walsh", device, dtype),
+            pre_offsets=self.constant("pre_offsets", device, torch.float32),
+            post_offsets=self.constant("post_offsets", device, torch.float32),
         )
 
     def engram_memory(

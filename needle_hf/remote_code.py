@@ -21,8 +21,9 @@ its relative imports (`from .x import ...`) the same way, recursively. Hence:
 
 Which files are copied is derived from `AUTO_MAP` and the files' own relative imports (parsed with
 transformers' own `get_relative_import_files`), so adding an import to a model file ships the
-imported file without touching a list here. This module is itself one of the shipped files when a
-model file imports it (the save hook), so it too imports only the standard library and transformers.
+imported file without touching a list here. This module is itself one of the shipped files once a
+shipped file imports it (the save hook in `NeedleConfig.save_pretrained`), so it too imports only
+the standard library and transformers.
 Run from a remote-code copy (a model loaded with `trust_remote_code=True` and saved again), it
 ships the files that were fetched with it and maps only the classes whose code the folder holds.
 """
@@ -72,7 +73,11 @@ def remote_code_files(source_dir: str | os.PathLike | None = None) -> dict[str, 
         module_file = _module_file(reference, source_dir)
         if not module_file.is_file():
             continue
-        needed = [module_file, *(Path(path) for path in get_relative_import_files(str(module_file)))]
+        try:
+            # Reads every file on the way, so a missing imported file raises here.
+            needed = [module_file, *(Path(path) for path in get_relative_import_files(str(module_file)))]
+        except FileNotFoundError:
+            continue
         if all(path.is_file() for path in needed):
             needed_by_entry[auto_class] = needed
     return needed_by_entry

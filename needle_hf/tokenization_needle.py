@@ -366,6 +366,10 @@ def build_fast_tokenizer(source, *, model_max_length=None, chat_template=NEEDLE_
         pad_token=table.pieces[table.pad_id],
         chat_template=chat_template,
         clean_up_tokenization_spaces=False,
+        # Needle takes no token type ids (generate(**inputs) would refuse them), and batched
+        # generation with a decoder-only model wants the padding on the left.
+        model_input_names=["input_ids", "attention_mask"],
+        padding_side="left",
         **extra,
     )
 

@@ -18,7 +18,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 from huggingface_hub import HfApi, snapshot_download
 from huggingface_hub.utils import RepositoryNotFoundError, RevisionNotFoundError
 from safetensors.numpy import load_file
@@ -287,6 +286,8 @@ def _break_folder(folder: Path, problem: str):
     config_path = folder / "config.json"
     if problem == "missing code file":
         (folder / "modeling_needle.py").unlink()
+    elif problem == "missing imported file":
+        (folder / "numerics.py").unlink()
     elif problem == "no auto_map":
         fields = json.loads(config_path.read_text())
         del fields["auto_map"]
@@ -307,8 +308,9 @@ def _break_folder(folder: Path, problem: str):
 @pytest.mark.parametrize(
     "problem, error, message",
     [
-        ("missing code file", PushError, r"AutoModelForCausalLM -> modeling_needle\.py"),
-        ("no auto_map", PushError, "has no auto_map"),
+        ("missing code file", PushError, r"code of AutoModel -> .*, AutoModelForCausalLM -> [\w.]+ \(its module"),
+        ("missing imported file", PushError, r"AutoModelForCausalLM -> [\w.]+, FlaxAutoModel -> "),
+        ("no auto_map", PushError, "auto_map does not name AutoConfig, AutoModelForCausalLM"),
         ("weights of another geometry", WeightMappingError, r"tensor model\.embed_tokens\.weight: expected shape"),
         ("no weights", ExportError, "no model.safetensors"),
         ("not a Needle config", ExportError, "model_type 'llama', expected 'needle2'"),
