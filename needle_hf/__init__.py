@@ -10,11 +10,13 @@ import importlib.util
 from transformers import AutoConfig
 
 from .configuration_needle import NeedleConfig
+from .tokenization_needle import register_transformers5_tokenizer_name
 
 __all__ = ["NeedleConfig"]
 __version__ = "0.1.0"
 
 AutoConfig.register(NeedleConfig.model_type, NeedleConfig, exist_ok=True)
+register_transformers5_tokenizer_name()
 
 
 def _has(module: str) -> bool:

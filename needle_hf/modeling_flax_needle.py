@@ -85,11 +85,10 @@ def sinkhorn(logits: jnp.ndarray) -> jnp.ndarray:
 
 
 class LayerKVCache(NamedTuple):
-    """Keys/values of every layer [layers, B, S, K, H], the layer being run and where new positions go."""
+    """One layer's keys/values [B, K, S, H] and the cache position where the new tokens go."""
 
     keys: jnp.ndarray
     values: jnp.ndarray
-    layer: jnp.ndarray
     write_index: jnp.ndarray
 
 
@@ -173,21 +172,23 @@ class FlaxNeedleAttention(nn.Module):
         k = self.k_norm(self.k_proj(x).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim))  # [B, T, K, H]
         v = self.v_proj(x).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)  # [B, T, K, H]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        # Keys/values kv-head-major [B, K, S, H]: the cache layout, which the attention einsums read
+        # without a transpose.
+        k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
         if kv_cache is not None:
-            # Write the new positions in place, then attend over this layer's whole cache [B, S, K, H].
-            at = (kv_cache.layer, 0, kv_cache.write_index, 0, 0)
-            keys = jax.lax.dynamic_update_slice(kv_cache.keys, k[None].astype(kv_cache.keys.dtype), at)
-            values = jax.lax.dynamic_update_slice(kv_cache.values, v[None].astype(kv_cache.values.dtype), at)
-            kv_cache = kv_cache._replace(keys=keys, values=values)
-            k, v = keys[kv_cache.layer], values[kv_cache.layer]
+            # Write the new positions in place, then attend over this layer's whole cache.
+            at = (0, 0, kv_cache.write_index, 0)
+            k = jax.lax.dynamic_update_slice(kv_cache.keys, k.astype(kv_cache.keys.dtype), at)
+            v = jax.lax.dynamic_update_slice(kv_cache.values, v.astype(kv_cache.values.dtype), at)
+            kv_cache = kv_cache._replace(keys=k, values=v)
 
         groups = cfg.num_attention_heads // cfg.num_key_value_heads
         q = q.reshape(b, t, cfg.num_key_value_heads, groups, cfg.head_dim)  # [B, T, K, G, H]
-        scores = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32)
+        scores = jnp.einsum("btkgh,bksh->bkgts", q, k, preferred_element_type=jnp.float32)
         scores = scores / jnp.sqrt(jnp.float32(cfg.head_dim))
         scores = jnp.where(key_mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
         probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)  # [B, K, G, T, S]
-        out = jnp.einsum("bkgts,bskh->btkgh", probs, v).reshape(b, t, cfg.attention_dim)
+        out = jnp.einsum("bkgts,bksh->btkgh", probs, v).reshape(b, t, cfg.attention_dim)
         out = out * nn.sigmoid(self.gate_proj(x))
         return self.o_proj(out), kv_cache
 
@@ -228,17 +229,17 @@ class FlaxNeedleBlock(nn.Module):
     def block(self, u, cos, sin, key_mask, engram=None, kv_cache: Optional[LayerKVCache] = None):
         """u [B, T, D] -> ([B, T, D], kv_cache).
 
-        `engram` = (keys, values, site_weights): per-site memory [sites, B, T, D] and this layer's
-        one-hot site weights [sites] (all zero off the engram layers, which then add exactly zero).
+        `engram` = (keys, values) [B, T, D]: the engram memory this layer reads, or None. (All-zero
+        keys and values add exactly zero, which lets a scanned layer stack treat every layer alike.)
         """
         if engram is not None:
-            engram_keys, engram_values, site_weights = engram
+            engram_keys, engram_values = engram
             eps = self.config.rms_norm_eps
             alpha = nn.sigmoid(
-                jnp.einsum("btd,sbtd->sbt", rms_unit(u, eps), rms_unit(engram_keys, eps)) / math.sqrt(self.config.hidden_size)
-            )
-            read = jnp.einsum("s,sbt,sbtd->btd", site_weights, alpha, engram_values.astype(jnp.float32))
-            u = u + read.astype(u.dtype)
+                jnp.sum(rms_unit(u, eps) * rms_unit(engram_keys, eps), axis=-1, keepdims=True)
+                / math.sqrt(self.config.hidden_size)
+            )  # [B, T, 1]
+            u = u + (alpha * engram_values.astype(jnp.float32)).astype(u.dtype)
         attn, kv_cache = self.self_attn(self.input_layernorm(u), cos, sin, key_mask, kv_cache=kv_cache)
         x = u + nn.sigmoid(self.attention_gate).astype(self.dtype) * self.post_attention_layernorm(attn)
         return x + self.mlp(self.pre_feedforward_layernorm(x)), kv_cache
@@ -337,10 +338,16 @@ class FlaxNeedleEngram(nn.Module):
 class FlaxNeedleLayerCollection(nn.Module):
     """Decoder layers whose parameters are named per layer (`model.layers.{i}.*`).
 
-    The layers run as one `lax.scan` over parameters stacked on the fly: XLA then compiles a single
-    layer body instead of `num_hidden_layers` copies, and hoists the stacking out of a decoding loop.
-    Each layer's parameters are one subtree named "0", "1", ...; all layers are initialised by one
-    vmapped init of a standalone decoder layer, so initialising 27 layers costs one layer's compile.
+    Two ways to run the same layers, chosen by the number of new tokens T (a static shape):
+      * T > 1 (prompts, full sequences): one `lax.scan` over the parameters stacked on the fly, so XLA
+        compiles a single layer body; stacking costs one copy of the weights, small next to the
+        matmuls of T tokens.
+      * T == 1 (a decoding step): the layers unrolled, each reading its own parameters in place. A
+        step reads every weight once and does little else, so a scan's per-layer slice of the
+        stacked weights (a copy) would double its memory traffic.
+    All layers are initialised by one vmapped init of a standalone decoder layer, so initialising
+    27 layers costs one layer's compile. The cache holds each layer's keys/values [B, K, S, H] as
+    `keys_{i}`/`values_{i}`.
     """
 
     config: NeedleConfig
@@ -359,6 +366,19 @@ class FlaxNeedleLayerCollection(nn.Module):
         init_one = lambda r: self._layer().init(r, lanes, rope, rope, key_mask, offsets)["params"]  # noqa: E731
         return unfreeze(jax.jit(jax.vmap(init_one))(jax.random.split(rng, cfg.num_hidden_layers)))
 
+    def _kv_cache_variables(self, lanes, init_cache: bool):
+        """Per-layer (keys, values) cache variables, or None when not decoding with a cache."""
+        cfg = self.config
+        if not (init_cache or self.has_variable("cache", "keys_0")):
+            return None
+        b, s = lanes.shape[:2]  # at init_cache, T is the cache length
+        shape = (b, cfg.num_key_value_heads, s, cfg.head_dim)
+        return [
+            (self.variable("cache", f"keys_{i}", jnp.zeros, shape, self.dtype),
+             self.variable("cache", f"values_{i}", jnp.zeros, shape, self.dtype))
+            for i in range(cfg.num_hidden_layers)
+        ]
+
     @nn.compact
     def __call__(self, lanes, cos, sin, key_mask, memory, *, cache_index=None, init_cache: bool = False, output_hidden_states: bool = False):
         """lanes [B, T, L, D] -> (lanes after the last layer, lane means [layers, B, T, D] or None).
@@ -367,41 +387,56 @@ class FlaxNeedleLayerCollection(nn.Module):
         """
         cfg = self.config
         num_layers, lanes_n = cfg.num_hidden_layers, cfg.hyper_connection_lanes
-        pre_offsets, post_offsets = (jnp.asarray(o) for o in hyper_connection_offsets(num_layers, lanes_n))
-        site_weights = np.zeros((num_layers, max(1, len(cfg.engram_layers))), np.float32)
-        for s, layer in enumerate(cfg.engram_layers):
-            site_weights[layer, s] = 1.0
-        site_weights = jnp.asarray(site_weights)
-
-        kv = None
-        if init_cache or self.has_variable("cache", "keys"):
-            b, t = lanes.shape[:2]
-            shape = (num_layers, b, t, cfg.num_key_value_heads, cfg.head_dim)
-            keys = self.variable("cache", "keys", jnp.zeros, shape, self.dtype)
-            values = self.variable("cache", "values", jnp.zeros, shape, self.dtype)
-            if not init_cache:
-                kv = LayerKVCache(keys.value, values.value, jnp.int32(0), cache_index)
+        pre_offsets, post_offsets = hyper_connection_offsets(num_layers, lanes_n)
+        site_of_layer = {layer: s for s, layer in enumerate(cfg.engram_layers)}
 
         initial = self._init_all_layers(self.make_rng("params")) if self.is_initializing() else None
         per_layer = [
             self.param(str(i), lambda rng, i=i: jax.tree.map(lambda leaf: leaf[i], initial)) for i in range(num_layers)
         ]
-        stacked = jax.tree.map(lambda *leaves: jnp.stack(leaves), *per_layer)
+        cache_vars = self._kv_cache_variables(lanes, init_cache)
+        caching = cache_vars is not None and not init_cache
         layer_module = self._layer()
 
-        def step(carry, xs):
-            lanes, kv = carry
-            params, pre, post, weights, index = xs
-            engram = None if memory is None else (memory[0], memory[1], weights)
-            if kv is not None:
-                kv = kv._replace(layer=index)
-            lanes, kv = layer_module.apply({"params": params}, lanes, cos, sin, key_mask, (pre, post), engram=engram, kv_cache=kv)
-            return (lanes, kv), (jnp.mean(lanes, axis=2) if output_hidden_states else None)
+        def run_layer(params, lanes, pre, post, engram, kv):
+            return layer_module.apply({"params": params}, lanes, cos, sin, key_mask, (pre, post), engram=engram, kv_cache=kv)
 
-        xs = (stacked, pre_offsets, post_offsets, site_weights, jnp.arange(num_layers, dtype=jnp.int32))
-        (lanes, kv), lane_means = jax.lax.scan(step, (lanes, kv), xs)
-        if kv is not None:
-            keys.value, values.value = kv.keys, kv.values
+        if lanes.shape[1] == 1:
+            lane_means = []
+            for i in range(num_layers):
+                s = site_of_layer.get(i)
+                engram = None if s is None or memory is None else (memory[0][s], memory[1][s])
+                kv = LayerKVCache(cache_vars[i][0].value, cache_vars[i][1].value, cache_index) if caching else None
+                lanes, kv = run_layer(per_layer[i], lanes, pre_offsets[i], post_offsets[i], engram, kv)
+                if caching:
+                    cache_vars[i][0].value, cache_vars[i][1].value = kv.keys, kv.values
+                if output_hidden_states:
+                    lane_means.append(jnp.mean(lanes, axis=2))
+            return lanes, (jnp.stack(lane_means) if output_hidden_states else None)
+
+        # One-hot engram site of each layer (all zero off the engram layers: they read zero memory).
+        site_weights = np.zeros((num_layers, max(1, len(cfg.engram_layers))), np.float32)
+        for layer, s in site_of_layer.items():
+            site_weights[layer, s] = 1.0
+
+        def step(lanes, xs):
+            params, pre, post, weights, kv = xs
+            engram = None
+            if memory is not None:
+                engram = tuple(jnp.einsum("s,sbtd->btd", weights, m.astype(jnp.float32)).astype(m.dtype) for m in memory)
+            if kv is not None:
+                kv = LayerKVCache(kv[0], kv[1], cache_index)
+            lanes, kv = run_layer(params, lanes, pre, post, engram, kv)
+            mean = jnp.mean(lanes, axis=2) if output_hidden_states else None
+            return lanes, (mean, None if kv is None else (kv.keys, kv.values))
+
+        stack = lambda trees: jax.tree.map(lambda *leaves: jnp.stack(leaves), *trees)  # noqa: E731
+        stacked_kv = stack([(k.value, v.value) for k, v in cache_vars]) if caching else None
+        xs = (stack(per_layer), jnp.asarray(pre_offsets), jnp.asarray(post_offsets), jnp.asarray(site_weights), stacked_kv)
+        lanes, (lane_means, new_kv) = jax.lax.scan(step, lanes, xs)
+        if caching:
+            for i, (k, v) in enumerate(cache_vars):
+                k.value, v.value = new_kv[0][i], new_kv[1][i]
         return lanes, lane_means
 
 

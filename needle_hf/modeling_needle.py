@@ -101,14 +101,15 @@ def zero_centred_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> 
     parameter/input dtype before the float32 division, as in the reference (this matters for fp16
     checkpoints).
     """
-    rms = torch.sqrt(x.float().pow(2).mean(dim=-1, keepdim=True) + eps)
+    x_f32 = x.float()
+    rms = torch.sqrt((x_f32 * x_f32).mean(dim=-1, keepdim=True) + eps)  # x * x: pow(2) bit for bit, cheaper
     return (((1 + weight) * x) / rms).to(x.dtype)
 
 
 def rms_unit(x: torch.Tensor, eps: float) -> torch.Tensor:
     """Float32 ``x / sqrt(mean(x^2) + eps)`` over the last axis, no gain."""
     x = x.float()
-    return x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return x * torch.rsqrt((x * x).mean(dim=-1, keepdim=True) + eps)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -144,25 +145,29 @@ def log_space_sinkhorn(logits: torch.Tensor, iterations: int = SINKHORN_ITERATIO
 def sinkhorn(logits: torch.Tensor, iterations: int = SINKHORN_ITERATIONS) -> torch.Tensor:
     """Doubly-stochastic [..., n, n] float32 matrices: `log_space_sinkhorn`, computed in linear space.
 
-    Subtracting a row's logsumexp from its logits is dividing ``exp(logits)`` by the row's sum, so
-    ``k = exp(logits - max)`` normalised by row sums, then column sums, per round, is the same
-    computation in exact arithmetic. It takes 2 tensor ops per half-round instead of about 9 (a
-    logsumexp is max, subtract, exp, sum, log, add, with infinity guards); the routing matrices are
-    tiny ([B, S, 4, 4], 20 rounds in each of 27 layers), so op count is all their cost in decoding.
+    Subtracting a row's logsumexp from its logits divides ``K = exp(logits)`` by the row's sum, so
+    after any number of half-rounds the matrix is ``diag(row) K diag(col)``: each half-round only
+    updates one scaling vector, ``row = 1 / (K col)`` then ``col = 1 / (K^T row)``. Same result in
+    exact arithmetic, in 2 small tensor ops per half-round instead of about 9 (a logsumexp is max,
+    subtract, exp, sum, log, add, with infinity guards). The routing matrices are tiny ([B, S, 4, 4],
+    20 rounds in each of 27 layers), so op count is all their cost in decoding.
 
     Linear space could underflow where one matrix's logits spread far: with spread ``s = max - min``
     every intermediate entry stays above ``exp(-2 s) / (n - 1)`` (row and column scalings never
     differ by more than ``exp(s)``), a normal float32 while ``s <= SINKHORN_LINEAR_SPACE_MAX_SPREAD``.
     Wider logits take the log-space path.
     """
-    shifted = logits - logits.amax(dim=(-2, -1), keepdim=True)  # [..., n, n], each matrix's max at 0
+    n = logits.shape[-1]
+    shifted = logits - logits.amax(dim=(-2, -1), keepdim=True)  # each matrix's largest logit at 0
     if shifted.numel() and shifted.min().item() < -SINKHORN_LINEAR_SPACE_MAX_SPREAD:
         return log_space_sinkhorn(logits, iterations)
-    k = torch.exp(shifted)
+    k = torch.exp(shifted).reshape(-1, n, n)  # [N, n, n]
+    k_transposed = k.transpose(1, 2)
+    col = torch.ones_like(k[:, :, :1])  # [N, n, 1]
     for _ in range(iterations):
-        k = k / k.sum(dim=-1, keepdim=True)
-        k = k / k.sum(dim=-2, keepdim=True)
-    return k
+        row = torch.bmm(k, col).reciprocal_()  # [N, n, 1]: 1 / row sums of K diag(col)
+        col = torch.bmm(k_transposed, row).reciprocal_()  # [N, n, 1]: 1 / column sums of diag(row) K
+    return (row * k * col.transpose(1, 2)).reshape(logits.shape)
 
 
 def lane_mean(lanes: torch.Tensor) -> torch.Tensor:
@@ -174,16 +179,19 @@ def engram_hash_indices(tokens: torch.Tensor, orders, num_heads: int, slots: int
     """Hash-table rows [B, T, tables] of the n-grams ending at each position (tokens before the start are 0).
 
     32-bit FNV-style hash in int64 arithmetic: a state below 2**32 times the prime stays below 2**63.
+    All tables are hashed together (integer arithmetic, so exactly as one at a time): token ``t - back``
+    is folded into the tables whose order exceeds ``back``.
     """
     tokens = tokens.long()
-    rows = []
-    for seed, order in zip(engram_table_seeds(len(orders), num_heads), engram_table_orders(orders, num_heads)):
-        acc = torch.full_like(tokens, seed)
-        for back in range(order):
-            acc = ((acc ^ shift_right(tokens, back)) * ENGRAM_HASH_PRIME) & UINT32_MASK
-        acc = acc ^ (acc >> ENGRAM_HASH_SHIFT)
-        rows.append(acc % slots)
-    return torch.stack(rows, dim=-1)
+    device = tokens.device
+    seeds = torch.tensor(engram_table_seeds(len(orders), num_heads), dtype=torch.long, device=device)  # [tables]
+    table_orders = torch.tensor(engram_table_orders(orders, num_heads), device=device)  # [tables]
+    acc = seeds.expand(*tokens.shape, -1)  # [B, T, tables]
+    for back in range(max(orders)):
+        folded = ((acc ^ shift_right(tokens, back)[..., None]) * ENGRAM_HASH_PRIME) & UINT32_MASK
+        acc = folded if back < min(orders) else torch.where(table_orders > back, folded, acc)
+    acc = acc ^ (acc >> ENGRAM_HASH_SHIFT)
+    return acc % slots
 
 
 def attention_allowed(key_visible: torch.Tensor, past_length: int, query_length: int, group: int) -> torch.Tensor:
@@ -220,6 +228,8 @@ class NeedleStepInputs:
 
     key_visible: [B, past + S] bool, which positions are real (not padding).
     allowed: [B, 1, group * S, past + S] bool attention mask (see `attention_allowed`).
+    attention_bias: the same mask as an additive bias in the compute dtype (0 allowed, -inf not),
+        built once here instead of by `scaled_dot_product_attention` in every layer.
     cos, sin: [B, 1, S, head_dim] float32 RoPE tables of the new positions (both halves the same).
     walsh: [n, n] Walsh-Hadamard matrix (compute dtype).
     pre_offsets, post_offsets: [layers, L] float32 lane-ownership offsets of the hyper-connection
@@ -228,6 +238,7 @@ class NeedleStepInputs:
 
     key_visible: torch.Tensor
     allowed: torch.Tensor
+    attention_bias: torch.Tensor
     cos: torch.Tensor
     sin: torch.Tensor
     walsh: torch.Tensor
@@ -305,7 +316,7 @@ class NeedleAttention(nn.Module):
 
         probs = None
         if self.config._attn_implementation == "sdpa" and not need_weights:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=step.allowed)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=step.attention_bias)
         else:
             # Eager: float32 scores and softmax, probabilities cast to the value dtype (as the reference).
             scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * self.head_dim**-0.5
@@ -470,21 +481,35 @@ class NeedleEngram(nn.Module):
         self.conv_taps = nn.Parameter(taps)
 
     def forward(
-        self, indices: torch.Tensor, ngram_visible: torch.Tensor, tap_visible: list[torch.Tensor], dtype: torch.dtype
+        self,
+        indices: torch.Tensor,
+        ngram_visible: torch.Tensor,
+        visible: torch.Tensor,
+        first_output: int,
+        dtype: torch.dtype,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """indices: [B, T, tables] rows; ngram_visible: [B, T, tables] whether each n-gram lies in the
-        visible text; tap_visible[j]: [B, T] whether position t - j * dilation is visible."""
+        """(key, value) [B, T - first_output, d] of window positions ``first_output..T-1``.
+
+        indices: [B, T, tables] rows of the window's n-grams; ngram_visible: [B, T, tables] whether each
+        n-gram lies in the visible text; visible: [B, T] whether each window position is visible.
+        The value at ``t`` is ``sum_j taps[j] * v[t - j * dilation]`` over visible earlier positions
+        (zero before the window, which starts at the text or reaches back `engram_history` tokens).
+        """
         batch, length, _ = indices.shape
         table_ids = torch.arange(self.num_tables, device=indices.device)
         rows = self.tables[table_ids, indices]  # [B, T, tables, sub_dim]
         rows = rows * ngram_visible[..., None].to(rows.dtype)
         fetched = rows.reshape(batch, length, -1).to(dtype)  # [B, T, engram_dim]
-        key = self.key_proj(fetched)
-        value_rows = self.value_proj(fetched)
+        key = self.key_proj(fetched[:, first_output:])
+        # Hidden positions contribute zero to every tap; zeros in front stand for positions before the window.
+        reach = (self.conv_taps.shape[0] - 1) * self.dilation
+        value_rows = self.value_proj(fetched) * visible[..., None].to(dtype)  # [B, T, d]
+        value_rows = F.pad(value_rows, (0, 0, reach, 0))  # [B, reach + T, d]
         taps = self.conv_taps.to(dtype)
         value = 0
-        for j, visible in enumerate(tap_visible):
-            value = value + taps[j] * shift_right(value_rows, j * self.dilation) * visible[..., None].to(dtype)
+        for j in range(taps.shape[0]):
+            start = reach + first_output - j * self.dilation
+            value = value + taps[j] * value_rows[:, start : start + length - first_output]
         return key, value
 
 
@@ -809,9 +834,13 @@ class NeedleModel(NeedlePreTrainedModel):
         angles = position_ids.to(device).float()[..., None] * inverse_frequencies  # [B, S, hd/2]
         angles = torch.cat([angles, angles], dim=-1)[:, None]  # [B, 1, S, hd], see `apply_rotary`
         group = self.config.num_attention_heads // self.config.num_key_value_heads
+        allowed = attention_allowed(key_visible, past_length, length, group)
+        # What scaled_dot_product_attention turns a boolean mask into (`torch.where(mask, 0, -inf)`).
+        attention_bias = torch.full(allowed.shape, float("-inf"), dtype=dtype, device=device).masked_fill_(allowed, 0.0)
         return NeedleStepInputs(
             key_visible=key_visible,
-            allowed=attention_allowed(key_visible, past_length, length, group),
+            allowed=allowed,
+            attention_bias=attention_bias,
             cos=torch.cos(angles),
             sin=torch.sin(angles),
             walsh=self.constant("walsh", device, dtype),
@@ -860,16 +889,14 @@ class NeedleModel(NeedlePreTrainedModel):
             first_new = needed
 
         indices = engram_hash_indices(window_ids, config.engram_orders, config.engram_num_heads, config.engram_slots)
+        # An n-gram of order o ending at t is visible when its first token, t - (o - 1), is.
+        visible_by_order = {order: shift_right(window_visible, order - 1) for order in config.engram_orders}
         table_orders = engram_table_orders(config.engram_orders, config.engram_num_heads)
-        ngram_visible = torch.stack([shift_right(window_visible, order - 1) for order in table_orders], dim=-1)
-        tap_visible = [
-            shift_right(window_visible, j * config.engram_conv_dilation) for j in range(config.engram_conv_taps)
-        ]
+        ngram_visible = torch.stack([visible_by_order[order] for order in table_orders], dim=-1)  # [B, T, tables]
         dtype = self.embed_tokens.weight.dtype
         memory = {}
         for engram, layer_idx in zip(self.engrams, config.engram_layers):
-            key, value = engram(indices, ngram_visible, tap_visible, dtype)
-            memory[layer_idx] = (key[:, first_new:], value[:, first_new:])
+            memory[layer_idx] = engram(indices, ngram_visible, window_visible, first_new, dtype)
         return memory
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

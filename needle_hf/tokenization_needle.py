@@ -408,3 +408,22 @@ def check_vocab_matches(tokenizer, vocab_size, *, source="the model config"):
         raise TokenizerVocabMismatchError(
             f"tokenizer has {found} ids but {source} has vocab_size {vocab_size}; "
             "the tokenizer and the weights must come from the same Needle checkpoint")
+
+
+def register_transformers5_tokenizer_name():
+    """Let transformers 4.x load a Needle tokenizer that transformers 5.x saved.
+
+    transformers 5 writes `"tokenizer_class": "TokenizersBackend"` (its name for the fast
+    tokenizer) into tokenizer_config.json; 4.x has no class of that name. Under 4.x, importing
+    needle_hf registers a `PreTrainedTokenizerFast` of that name for Needle configs, so such a
+    folder loads unchanged. Under 5.x there is nothing to do.
+    """
+    import transformers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    if int(transformers.__version__.split(".")[0]) >= 5:
+        return
+    from .configuration_needle import NeedleConfig
+
+    backend = type("TokenizersBackend", (PreTrainedTokenizerFast,), {"__doc__": "transformers 5's name for a fast tokenizer."})
+    AutoTokenizer.register(NeedleConfig, fast_tokenizer_class=backend, exist_ok=True)

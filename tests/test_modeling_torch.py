@@ -21,7 +21,14 @@ from needle_reference import (
 )
 
 from needle_hf.configuration_needle import NeedleConfig
-from needle_hf.modeling_needle import NeedleForCausalLM, NeedleModel, NeedleWeightsError
+from needle_hf.modeling_needle import (
+    NeedleForCausalLM,
+    NeedleModel,
+    NeedleWeightsError,
+    engram_hash_indices,
+    sinkhorn,
+)
+from needle_hf.numerics import engram_indices_numpy
 from needle_hf.weight_names import hf_weight_shapes, native_to_hf
 
 PARITY_TOLERANCE = 1e-4  # max |logit difference| against the reference, float32
@@ -171,6 +178,27 @@ def test_odd_width_model_matches_the_reference():
         out = model(torch.from_numpy(tokens), use_cache=False, return_mtp_logits=True)
     assert max_difference(out.logits, expected) <= PARITY_TOLERANCE
     assert max_difference(out.mtp_logits, expected_mtp) <= PARITY_TOLERANCE
+
+
+@pytest.mark.parametrize("spread", [8.0, 200.0], ids=["linear-space", "log-space"])
+def test_sinkhorn_matches_the_reference_rounds(spread):
+    """Lane mixing as the reference computes it (20 log-space rounds), also for logits spread too far
+    (> 30) for `sinkhorn`'s linear-space form, where it falls back to log space."""
+    import jax.numpy as jnp
+    from needle.model.architecture import _sinkhorn
+
+    logits = np.random.default_rng(3).uniform(0.0, spread, size=(2, 5, 4, 4)).astype(np.float32)
+    expected = np.asarray(_sinkhorn(jnp.asarray(logits)))
+    assert max_difference(sinkhorn(torch.from_numpy(logits)), expected) <= 1e-6
+
+
+@pytest.mark.parametrize(("orders", "heads"), [((2, 3), 2), ((1, 2, 4), 3)])
+def test_engram_hash_matches_the_numpy_statement(orders, heads):
+    """All tables hashed at once give each table's own n-gram hash (the numpy statement is checked
+    against the reference in test_config_and_weight_names)."""
+    tokens = random_tokens(2, 30, seed=4)
+    hashed = engram_hash_indices(torch.from_numpy(tokens), orders, heads, 97)
+    np.testing.assert_array_equal(hashed.numpy(), engram_indices_numpy(tokens, orders, heads, 97))
 
 
 def padded_batch(seed: int) -> tuple[np.ndarray, np.ndarray]:

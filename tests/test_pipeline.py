@@ -1,0 +1,209 @@
+"""The PyTorch model behind `pipeline("text-generation")`, on the trained demo checkpoint.
+
+scripts/demo/needle2-demo.pkl is a small Needle 2 briefly trained (scripts/make_demo_checkpoint.py)
+to answer tool-calling prompts with a tool call, so these tests can check what the pipeline
+returns, not only that it runs. The suite also runs under transformers 5 (`.venv-v5`), where
+`needle_hf.conversion` is not importable; the fixture then builds the same folder from the public
+pieces (config, key map, safetensors, tokenizer builder).
+"""
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, pipeline
+
+import needle_hf  # noqa: F401  (registers Needle with the Auto classes)
+from needle_hf.configuration_needle import NeedleConfig
+from needle_hf.tokenization_needle import build_fast_tokenizer, save_fast_tokenizer
+from needle_hf.tool_calls import parse_tool_calls
+from needle_hf.weight_names import native_to_hf, optional_heads_in_native
+
+REPO = Path(__file__).resolve().parent.parent
+DEMO_CHECKPOINT = REPO / "scripts" / "demo" / "needle2-demo.pkl"
+DEMO_TOKENIZER = REPO / "scripts" / "demo" / "tokenizer.model"
+MAJOR_VERSION = int(transformers.__version__.split(".")[0])
+# The other venv of this repository: the folder round trip crosses transformers 4 <-> 5.
+OTHER_PYTHON = REPO / (".venv-v5" if MAJOR_VERSION < 5 else ".venv") / "bin" / "python"
+MAX_NEW_TOKENS = 48
+
+
+def _tool(name, description, properties):
+    return {"type": "function", "function": {
+        "name": name, "description": description,
+        "parameters": {"type": "object", "properties": properties, "required": list(properties)}}}
+
+
+# The demo data set's tools, written here as a user would (OpenAI wrappers), in the same words.
+SET_ALARM = _tool("set_alarm", "Set an alarm on the phone.",
+                  {"time": {"type": "string", "description": "HH:MM, 24-hour clock"}})
+SEND_MESSAGE = _tool("send_message", "Send a text message to a contact.",
+                     {"to": {"type": "string", "description": "Name of the contact."},
+                      "text": {"type": "string", "description": "Text to send."}})
+PLAY_MUSIC = _tool("play_music", "Play a song.", {"song": {"type": "string", "description": "Song title."}})
+SET_TEMPERATURE = _tool("set_temperature", "Set the thermostat.",
+                        {"degrees": {"type": "integer", "description": "Target temperature in Celsius."}})
+
+# (tools offered, query, the tool the answer must call)
+TOOL_QUERIES = [
+    ([SET_ALARM], "Set an alarm for 6:45.", "set_alarm"),
+    ([PLAY_MUSIC, SEND_MESSAGE], "Text Alice that I'm running late.", "send_message"),
+    ([SET_TEMPERATURE], "Set the temperature to 21 degrees.", "set_temperature"),
+    ([PLAY_MUSIC], "Play Yesterday.", "play_music"),
+]
+
+
+def _build_folder_without_converter(out_dir: Path):
+    """The converter's output (config, generation config, weights, tokenizer) from its public parts."""
+    from safetensors.numpy import save_file
+
+    with open(DEMO_CHECKPOINT, "rb") as handle:
+        checkpoint = pickle.load(handle)
+    config = NeedleConfig.from_needle_config(checkpoint["config"], **optional_heads_in_native(checkpoint["params"]))
+    config.architectures = ["NeedleForCausalLM"]
+    tensors = native_to_hf(checkpoint["params"], config)
+    out_dir.mkdir(parents=True)
+    config.save_pretrained(out_dir)
+    GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
+                     pad_token_id=config.pad_token_id).save_pretrained(out_dir)
+    save_file({name: np.asarray(value, np.float32) for name, value in tensors.items()},
+              str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    save_fast_tokenizer(build_fast_tokenizer(str(DEMO_TOKENIZER), model_max_length=config.max_position_embeddings),
+                        str(out_dir))
+
+
+@pytest.fixture(scope="module")
+def demo_folder(tmp_path_factory):
+    """The demo checkpoint as a Hugging Face folder (converted once per module)."""
+    out_dir = tmp_path_factory.mktemp("pipeline") / "needle2-demo-hf"
+    try:
+        from needle_hf.conversion.convert import convert
+    except ImportError:  # transformers 5 venv: the converter (Flax verification) is not installed there
+        _build_folder_without_converter(out_dir)
+    else:
+        convert(DEMO_CHECKPOINT, out_dir, tokenizer=DEMO_TOKENIZER, verify=False)
+    return out_dir
+
+
+@pytest.fixture(scope="module")
+def generator(demo_folder):
+    # Decoder-only batches need left padding; transformers 5's pipeline sets it, 4.57's does not.
+    tokenizer = AutoTokenizer.from_pretrained(demo_folder, padding_side="left")
+    return pipeline("text-generation", model=str(demo_folder), tokenizer=tokenizer, device="cpu")
+
+
+def _tools_kwargs(tools):
+    """`tools=` for the chat template: a pipeline argument on 5.x, a tokenizer argument on 4.57."""
+    if MAJOR_VERSION >= 5:
+        return {"tools": tools}
+    return {"tokenizer_encode_kwargs": {"tools": tools}}
+
+
+def _answer_of(record):
+    """The assistant text of one chat pipeline record."""
+    reply = record["generated_text"][-1]
+    assert reply["role"] == "assistant"
+    return reply["content"]
+
+
+def test_chat_with_tools_returns_a_parseable_call_to_the_right_tool(generator):
+    for tools, query, expected_tool in TOOL_QUERIES:
+        records = generator([{"role": "user", "content": query}], max_new_tokens=MAX_NEW_TOKENS,
+                            do_sample=False, **_tools_kwargs(tools))
+        answer = _answer_of(records[0])
+        calls = parse_tool_calls(answer)
+        assert [call["name"] for call in calls] == [expected_tool], f"{query!r} -> {answer!r}"
+
+
+def test_batched_chats_give_the_answers_of_one_by_one(generator):
+    tools = [SET_ALARM, SEND_MESSAGE, PLAY_MUSIC, SET_TEMPERATURE]
+    chats = [[{"role": "user", "content": query}] for _, query, _ in TOOL_QUERIES]  # prompts of different lengths
+    kwargs = dict(max_new_tokens=MAX_NEW_TOKENS, do_sample=False, **_tools_kwargs(tools))
+    single = [_answer_of(generator(chat, **kwargs)[0]) for chat in chats]
+    batched = [_answer_of(records[0]) for records in generator(chats, batch_size=3, **kwargs)]
+    assert batched == single
+    for answer, (_, _, expected_tool) in zip(batched, TOOL_QUERIES):
+        assert [call["name"] for call in parse_tool_calls(answer)] == [expected_tool], answer
+
+
+def test_plain_text_prompt_matches_the_chat_answer(generator):
+    tools, query, expected_tool = TOOL_QUERIES[0]
+    tokenizer = generator.tokenizer
+    messages = [{"role": "user", "content": query}]
+    rendered = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+    # The template writes BOS itself; as plain text the tokenizer adds it, so pass the rest.
+    assert rendered.startswith(tokenizer.bos_token)
+    plain_prompt = rendered[len(tokenizer.bos_token):]
+    kwargs = dict(max_new_tokens=MAX_NEW_TOKENS, do_sample=False)
+    plain = generator(plain_prompt, return_full_text=False, **kwargs)[0]["generated_text"]
+    chat = _answer_of(generator(messages, **kwargs, **_tools_kwargs(tools))[0])
+    assert plain.strip() == chat.strip()
+    assert [call["name"] for call in parse_tool_calls(plain)] == [expected_tool]
+    free_text = generator(["Hello there", "Play"], batch_size=2, **kwargs)
+    assert all(isinstance(records[0]["generated_text"], str) for records in free_text)
+
+
+# --------------------------------------------------------------------------------------------------
+# A folder saved under one transformers version loads under the other.
+
+PROBE_TEXT = "<|im_start|>user\n<tools>[]</tools>\nPlay Imagine, café 🎵<|im_end|>\n<|im_start|>assistant\n"
+
+_CHILD = textwrap.dedent("""
+    import sys
+    import numpy as np
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    import needle_hf  # registers Needle with the Auto classes
+
+    source, resave, results, text = sys.argv[1:5]
+    model = AutoModelForCausalLM.from_pretrained(source, torch_dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    ids = tokenizer(text, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+    np.savez(results, ids=ids.numpy(), logits=logits.numpy(), version=transformers.__version__)
+    model.save_pretrained(resave)
+    tokenizer.save_pretrained(resave)
+""")
+
+
+def _ids_and_logits(folder):
+    model = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    ids = tokenizer(PROBE_TEXT, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        return ids.numpy(), model(input_ids=ids).logits.numpy()
+
+
+@pytest.mark.skipif(not OTHER_PYTHON.exists(), reason=f"the other transformers venv ({OTHER_PYTHON}) is not set up")
+def test_folder_saved_under_one_version_loads_under_the_other(demo_folder, tmp_path):
+    ids, logits = _ids_and_logits(demo_folder)
+    saved_here = tmp_path / "saved-here"
+    AutoModelForCausalLM.from_pretrained(demo_folder).save_pretrained(saved_here)
+    AutoTokenizer.from_pretrained(demo_folder).save_pretrained(saved_here)
+
+    saved_there, results = tmp_path / "saved-there", tmp_path / "there.npz"
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    child = subprocess.run([str(OTHER_PYTHON), "-c", _CHILD, str(saved_here), str(saved_there), str(results), PROBE_TEXT],
+                           env=env, capture_output=True, text=True, timeout=600)
+    assert child.returncode == 0, child.stderr[-4000:]
+    there = np.load(results)
+    assert int(str(there["version"]).split(".")[0]) != MAJOR_VERSION, "the child ran the same transformers major"
+
+    # Loaded there: same tokens, same logits.
+    np.testing.assert_array_equal(there["ids"], ids)
+    np.testing.assert_allclose(there["logits"], logits, rtol=0, atol=1e-5)
+    # Saved there, loaded here: same again.
+    back_ids, back_logits = _ids_and_logits(saved_there)
+    np.testing.assert_array_equal(back_ids, ids)
+    np.testing.assert_allclose(back_logits, logits, rtol=0, atol=1e-5)
+    assert json.loads((saved_there / "config.json").read_text())["model_type"] == "needle2"
