@@ -44,10 +44,10 @@ def measure_torch(folder, batch, prompt_len, new_tokens):
     from needle_hf.modeling_needle import NeedleForCausalLM
 
     torch.set_grad_enabled(False)
-    # One intra-op thread. A decoding step is thousands of small ops; with two OpenMP threads each op
-    # big enough to be split waits for the second thread to be scheduled, which on a busy 2-core
-    # machine made decoding ~10x slower (measured: 0.9 vs 11 tok/s at batch 1), and the tiny
-    # matmuls gain nothing from a second core. The model itself leaves thread settings to its user.
+    # One intra-op thread. A decoding step is thousands of small ops; with two OpenMP threads every
+    # op that opens a parallel region (attention, matmuls) waits for the second thread to be
+    # scheduled, which on this shared 2-core machine made generate() ~9x slower (2.1 vs 18.6 tok/s
+    # at batch 1, 8.5 vs 77 at batch 8). The model itself leaves thread settings to its user.
     torch.set_num_threads(1)
     model = NeedleForCausalLM.from_pretrained(folder).eval()
     ids = torch.as_tensor(prompt_ids(batch, prompt_len), dtype=torch.long)

@@ -145,29 +145,28 @@ def log_space_sinkhorn(logits: torch.Tensor, iterations: int = SINKHORN_ITERATIO
 def sinkhorn(logits: torch.Tensor, iterations: int = SINKHORN_ITERATIONS) -> torch.Tensor:
     """Doubly-stochastic [..., n, n] float32 matrices: `log_space_sinkhorn`, computed in linear space.
 
-    Subtracting a row's logsumexp from its logits divides ``K = exp(logits)`` by the row's sum, so
-    after any number of half-rounds the matrix is ``diag(row) K diag(col)``: each half-round only
-    updates one scaling vector, ``row = 1 / (K col)`` then ``col = 1 / (K^T row)``. Same result in
-    exact arithmetic, in 2 small tensor ops per half-round instead of about 9 (a logsumexp is max,
-    subtract, exp, sum, log, add, with infinity guards). The routing matrices are tiny ([B, S, 4, 4],
-    20 rounds in each of 27 layers), so op count is all their cost in decoding.
+    Subtracting a row's logsumexp from its logits is dividing ``exp(logits)`` by the row's sum, so
+    ``k = exp(logits - max)`` normalised by row sums, then column sums, per round, is the same
+    computation in exact arithmetic. It takes 2 tensor ops per half-round instead of about 9 (a
+    logsumexp is max, subtract, exp, sum, log, add, with infinity guards); the routing matrices are
+    tiny ([B, S, 4, 4], 20 rounds in each of 27 layers), so op count is all their cost in decoding.
+    (Updating row and column scaling vectors with `bmm` instead is as few ops, but a batched matmul
+    opens an OpenMP parallel region per call, which costs far more than the arithmetic whenever
+    more than one thread is set.)
 
     Linear space could underflow where one matrix's logits spread far: with spread ``s = max - min``
     every intermediate entry stays above ``exp(-2 s) / (n - 1)`` (row and column scalings never
     differ by more than ``exp(s)``), a normal float32 while ``s <= SINKHORN_LINEAR_SPACE_MAX_SPREAD``.
-    Wider logits take the log-space path.
+    Wider logits take the log-space path (checking the spread reads one number back to the host).
     """
-    n = logits.shape[-1]
     shifted = logits - logits.amax(dim=(-2, -1), keepdim=True)  # each matrix's largest logit at 0
     if shifted.numel() and shifted.min().item() < -SINKHORN_LINEAR_SPACE_MAX_SPREAD:
         return log_space_sinkhorn(logits, iterations)
-    k = torch.exp(shifted).reshape(-1, n, n)  # [N, n, n]
-    k_transposed = k.transpose(1, 2)
-    col = torch.ones_like(k[:, :, :1])  # [N, n, 1]
+    k = torch.exp(shifted)
     for _ in range(iterations):
-        row = torch.bmm(k, col).reciprocal_()  # [N, n, 1]: 1 / row sums of K diag(col)
-        col = torch.bmm(k_transposed, row).reciprocal_()  # [N, n, 1]: 1 / column sums of diag(row) K
-    return (row * k * col.transpose(1, 2)).reshape(logits.shape)
+        k = k / k.sum(dim=-1, keepdim=True)
+        k = k / k.sum(dim=-2, keepdim=True)
+    return k
 
 
 def lane_mean(lanes: torch.Tensor) -> torch.Tensor:
