@@ -207,3 +207,23 @@ def test_folder_saved_under_one_version_loads_under_the_other(demo_folder, tmp_p
     np.testing.assert_array_equal(back_ids, ids)
     np.testing.assert_allclose(back_logits, logits, rtol=0, atol=1e-5)
     assert json.loads((saved_there / "config.json").read_text())["model_type"] == "needle2"
+
+
+@pytest.mark.skipif(MAJOR_VERSION >= 5, reason="the Flax model needs transformers 4.x (5.x has no Flax)")
+def test_pytorch_and_flax_generate_the_same_greedy_tokens(demo_folder):
+    import jax
+    from transformers import FlaxAutoModelForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(demo_folder)
+    torch_model = AutoModelForCausalLM.from_pretrained(demo_folder).eval()
+    flax_model = FlaxAutoModelForCausalLM.from_pretrained(demo_folder)
+    flax_generate = jax.jit(lambda ids, p: flax_model.generate(ids, params=p, max_new_tokens=24, do_sample=False).sequences)
+    for tools, query, _ in TOOL_QUERIES:
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": query}], tools=tools, add_generation_prompt=True, tokenize=False)
+        ids = tokenizer(prompt, add_special_tokens=False, return_tensors="np")["input_ids"]
+        with torch.no_grad():
+            ours_torch = torch_model.generate(torch.as_tensor(ids), max_new_tokens=24, do_sample=False)[0, ids.shape[1]:].tolist()
+        ours_flax = np.asarray(flax_generate(ids, flax_model.params))[0, ids.shape[1]:].tolist()
+        # Flax pads after EOS up to max_new_tokens; PyTorch stops at EOS.
+        assert ours_flax[: len(ours_torch)] == ours_torch, query
+        assert all(t == flax_model.generation_config.pad_token_id for t in ours_flax[len(ours_torch):]), query
