@@ -8,14 +8,18 @@ Axis letters in shape comments and einsum strings:
 Numerics (one choice per op, matching the reference):
   * every RMS statistic is taken in float32; ZCRMSNorm returns `(1 + w) * x / sqrt(mean(x^2) + eps)`
     cast to the compute dtype, with `1 + w` formed in the parameter dtype;
-  * projections run in the compute dtype (`dtype`), attention softmax in float32;
+  * projections run in the compute dtype (`dtype`); attention scores and softmax in float32, the
+    probabilities cast to the compute dtype before they weight the values;
+  * the Hadamard MLP's Walsh matrix is applied as its two Kronecker factors (`walsh_transform`),
+    equal to the full matmul up to float32 rounding;
   * hyper-connection mixing, Sinkhorn routing and the engram gate run in float32; the lanes are
     stored in the compute dtype between layers;
   * logits are `float32(h) @ E^T`.
 
 The cache (`init_cache`, a `cache` collection) holds, per layer, keys and values for every position
-up to `max_length`, and, for the engram memory, the last `config.engram_history` tokens with their
-validity (an engram output at position t depends on tokens t-11..t).
+up to `max_length`; for the engram memory, the last `config.engram_history` tokens with their
+validity (an engram output at position t depends on tokens t-11..t) and, per site, the value
+projections of the last positions its dilated convolution reads.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from .numerics import (
     ENGRAM_HASH_PRIME,
     ENGRAM_HASH_SHIFT,
     SINKHORN_ITERATIONS,
+    SINKHORN_LINEAR_SPACE_MAX_SPREAD,
     engram_table_orders,
     engram_table_seeds,
     hyper_connection_offsets,
@@ -74,18 +79,43 @@ def rms_unit(x: jnp.ndarray, eps: float) -> jnp.ndarray:
     return xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
 
 
-def _sinkhorn_round(_, log_k):
+def _log_space_round(_, log_k):
     log_k = log_k - jax.nn.logsumexp(log_k, axis=-1, keepdims=True)
     return log_k - jax.nn.logsumexp(log_k, axis=-2, keepdims=True)
 
 
+def _linear_space_round(_, k):
+    # Sums over the (static, small) lane axes as explicit adds of slices: elementwise only, so XLA
+    # fuses a whole round into one loop, where reductions would each be a kernel of their own.
+    n = k.shape[-1]
+    k = k / sum(k[..., :, j : j + 1] for j in range(n))
+    return k / sum(k[..., i : i + 1, :] for i in range(n))
+
+
 def sinkhorn(logits: jnp.ndarray) -> jnp.ndarray:
-    """Doubly-stochastic routing [..., L, L] from logits by log-space Sinkhorn (rows, then columns)."""
-    return jnp.exp(jax.lax.fori_loop(0, SINKHORN_ITERATIONS, _sinkhorn_round, logits))
+    """Doubly-stochastic routing [..., L, L] from float32 logits: the reference's log-space Sinkhorn
+    (subtract the logsumexp over rows, then over columns, `SINKHORN_ITERATIONS` rounds, then exp).
+
+    Computed in linear space, the same in exact arithmetic: subtracting a row's logsumexp is dividing
+    `exp(logits)` by the row's sum. A round is then one fused loop instead of about a dozen kernels,
+    which is most of a decoding step's lane-mixing cost. Logits spread wider than
+    `SINKHORN_LINEAR_SPACE_MAX_SPREAD` (where linear space could underflow) take the log-space path.
+    """
+    shifted = logits - jnp.max(logits, axis=(-2, -1), keepdims=True)  # each matrix's largest logit at 0
+    return jax.lax.cond(
+        jnp.min(shifted, initial=0.0) < -SINKHORN_LINEAR_SPACE_MAX_SPREAD,
+        lambda: jnp.exp(jax.lax.fori_loop(0, SINKHORN_ITERATIONS, _log_space_round, logits)),
+        lambda: jax.lax.fori_loop(0, SINKHORN_ITERATIONS, _linear_space_round, jnp.exp(shifted)),
+    )
 
 
 class LayerKVCache(NamedTuple):
-    """One layer's keys/values [B, K, S, H] and the cache position where the new tokens go."""
+    """One layer's keys [B, K, H, S] and values [B, K, S, H], and the position where new tokens go.
+
+    Keys are stored transposed so that every attention product runs along the cache's minor axis S:
+    a one-token step's score sums then reduce over H, a major axis, which XLA vectorises (summing
+    over a minor H is 3x slower), and longer inputs' score matmuls read the keys without a transpose.
+    """
 
     keys: jnp.ndarray
     values: jnp.ndarray
@@ -146,6 +176,37 @@ class FlaxNeedleRMSNorm(nn.Module):
         return ((1 + weight) * x / rms).astype(self.dtype)
 
 
+class FlaxNeedleLinear(nn.Module):
+    """Bias-free projection `x @ kernel`, kernel [in, out] named like `nn.Dense`'s (`.../kernel`).
+
+    The kernel is declared in `setup`, so a parent can also read it (`.kernel`) and run several
+    projections of one input as a single matmul (`fused_projections`).
+    """
+
+    in_features: int
+    out_features: int
+    dtype: jnp.dtype = jnp.float32
+    init_std: float = 0.02
+
+    def setup(self):
+        self.kernel = self.param("kernel", _normal(self.init_std), (self.in_features, self.out_features))
+
+    def __call__(self, x):
+        return x.astype(self.dtype) @ self.kernel.astype(self.dtype)
+
+
+def fused_projections(x, projections) -> list:
+    """[p(x) for p in projections] (FlaxNeedleLinear layers of one input) as a single matmul.
+
+    Worth it for narrow projections: a decoding step reads a few-column kernel inefficiently, and
+    one wider matmul reads all of them in one pass. Concatenating the kernels is a copy, but inside
+    a decoding loop (generate's `while_loop`) XLA hoists it out of the loop.
+    """
+    kernel = jnp.concatenate([p.kernel for p in projections], axis=1)
+    out = x.astype(projections[0].dtype) @ kernel.astype(projections[0].dtype)
+    return jnp.split(out, np.cumsum([p.out_features for p in projections])[:-1].tolist(), axis=-1)
+
+
 class FlaxNeedleAttention(nn.Module):
     """GQA self-attention with q/k norms, half-split RoPE and a sigmoid output gate."""
 
@@ -168,29 +229,55 @@ class FlaxNeedleAttention(nn.Module):
         """x [B, T, D]; key_mask [B, T, S] (True = may attend) -> ([B, T, D], updated kv_cache)."""
         cfg = self.config
         b, t, _ = x.shape
+        # (Fusing these four projections into one matmul speeds a decoding step up, but the
+        # concatenated kernels are an 86 MB copy per generate() call at the Needle 2 size, which
+        # costs as much as it saves at 64 new tokens.)
         q = self.q_norm(self.q_proj(x).reshape(b, t, cfg.num_attention_heads, cfg.head_dim))  # [B, T, N, H]
         k = self.k_norm(self.k_proj(x).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim))  # [B, T, K, H]
         v = self.v_proj(x).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)  # [B, T, K, H]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        # Keys/values kv-head-major [B, K, S, H]: the cache layout, which the attention einsums read
-        # without a transpose.
-        k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+        k, v = k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3)  # [B, K, H, T], [B, K, T, H]: the cache layout
+        groups = cfg.num_attention_heads // cfg.num_key_value_heads
+        q = q.reshape(b, t, cfg.num_key_value_heads, groups, cfg.head_dim).transpose(0, 2, 3, 1, 4)  # [B, K, G, T, H]
+        scale = jnp.sqrt(jnp.float32(cfg.head_dim))
+        mask = key_mask[:, None, None]  # [B, 1, 1, T, S]
         if kv_cache is not None:
             # Write the new positions in place, then attend over this layer's whole cache.
-            at = (0, 0, kv_cache.write_index, 0)
-            k = jax.lax.dynamic_update_slice(kv_cache.keys, k.astype(kv_cache.keys.dtype), at)
-            v = jax.lax.dynamic_update_slice(kv_cache.values, v.astype(kv_cache.values.dtype), at)
+            start = kv_cache.write_index
+            k = jax.lax.dynamic_update_slice(kv_cache.keys, k.astype(kv_cache.keys.dtype), (0, 0, 0, start))
+            v = jax.lax.dynamic_update_slice(kv_cache.values, v.astype(kv_cache.values.dtype), (0, 0, start, 0))
             kv_cache = kv_cache._replace(keys=k, values=v)
-
-        groups = cfg.num_attention_heads // cfg.num_key_value_heads
-        q = q.reshape(b, t, cfg.num_key_value_heads, groups, cfg.head_dim)  # [B, T, K, G, H]
-        scores = jnp.einsum("btkgh,bksh->bkgts", q, k, preferred_element_type=jnp.float32)
-        scores = scores / jnp.sqrt(jnp.float32(cfg.head_dim))
-        scores = jnp.where(key_mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)  # [B, K, G, T, S]
-        out = jnp.einsum("bkgts,bksh->btkgh", probs, v).reshape(b, t, cfg.attention_dim)
+        if t == 1:
+            # One token: products and sums that XLA fuses into two loops over the cache. (A dot that
+            # reads a cache updated in place inside generate()'s loop makes XLA copy the cache, before
+            # or after the update, which costs more than these loops.)
+            scores = jnp.sum(q[..., None].astype(jnp.float32) * k[:, :, None, None].astype(jnp.float32), axis=-2)
+            probs = jax.nn.softmax(jnp.where(mask, scores / scale, jnp.finfo(jnp.float32).min), axis=-1)
+            weights = probs.astype(v.dtype).astype(jnp.float32)
+            out = jnp.sum(weights[..., None] * v[:, :, None, None].astype(jnp.float32), axis=-2).astype(v.dtype)
+        else:
+            scores = jnp.einsum("bkgth,bkhs->bkgts", q, k, preferred_element_type=jnp.float32)
+            probs = jax.nn.softmax(jnp.where(mask, scores / scale, jnp.finfo(jnp.float32).min), axis=-1)
+            out = jnp.einsum("bkgts,bksh->bkgth", probs.astype(v.dtype), v)  # [B, K, G, T, H]
+        out = out.transpose(0, 3, 1, 2, 4)  # [B, T, K, G, H]
+        out = out.reshape(b, t, cfg.attention_dim)
         out = out * nn.sigmoid(self.gate_proj(x))
         return self.o_proj(out), kv_cache
+
+
+def walsh_transform(z: jnp.ndarray) -> jnp.ndarray:
+    """`z @ walsh_matrix(n)` over the last axis (n a power of two), as two small matmuls.
+
+    The Sylvester matrix factors as a Kronecker product, W_n = W_a (x) W_b with n = a * b, so
+    z W_n = W_a^T Z W_b for Z = z reshaped [a, b]: 2 * n * sqrt(n) multiply-adds instead of n^2, and
+    no n x n matrix to stream per token (1 MB for n = 512).
+    """
+    n = z.shape[-1]
+    a = 1 << ((n.bit_length() - 1 + 1) // 2)
+    b = n // a
+    walsh_a, walsh_b = (jnp.asarray(walsh_matrix(m), z.dtype) for m in (a, b))
+    z = jnp.einsum("...ij,jl->...il", z.reshape(*z.shape[:-1], a, b), walsh_b)
+    return jnp.einsum("...il,ik->...kl", z, walsh_a).reshape(*z.shape[:-2], n)
 
 
 class FlaxNeedleHadamardMLP(nn.Module):
@@ -205,10 +292,9 @@ class FlaxNeedleHadamardMLP(nn.Module):
         diag_in = self.param("diag_in", nn.initializers.ones, (n,)).astype(self.dtype)
         diag_hidden = self.param("diag_hidden", nn.initializers.ones, (n,)).astype(self.dtype)
         diag_out = self.param("diag_out", nn.initializers.constant(0.02), (n,)).astype(self.dtype)
-        walsh = jnp.asarray(walsh_matrix(n), self.dtype)  # [n, n]
         z = jnp.pad(x, ((0, 0), (0, 0), (0, n - d))) if n > d else x
-        z = (diag_in * z) @ walsh
-        z = nn.silu(diag_hidden * z) @ walsh
+        z = walsh_transform(diag_in * z)
+        z = walsh_transform(nn.silu(diag_hidden * z))
         return (diag_out * z)[..., :d]
 
 
@@ -229,8 +315,7 @@ class FlaxNeedleBlock(nn.Module):
     def block(self, u, cos, sin, key_mask, engram=None, kv_cache: Optional[LayerKVCache] = None):
         """u [B, T, D] -> ([B, T, D], kv_cache).
 
-        `engram` = (keys, values) [B, T, D]: the engram memory this layer reads, or None. (All-zero
-        keys and values add exactly zero, which lets a scanned layer stack treat every layer alike.)
+        `engram` = (keys, values) [B, T, D]: the engram memory this layer reads, or None.
         """
         if engram is not None:
             engram_keys, engram_values = engram
@@ -254,11 +339,12 @@ class FlaxNeedleHyperConnection(nn.Module):
     config: NeedleConfig
 
     def setup(self):
-        lanes = self.config.hyper_connection_lanes
-        dense = partial(nn.Dense, use_bias=False, dtype=jnp.float32, kernel_init=_normal(self.config.initializer_range))
-        self.pre_proj = dense(lanes)
-        self.post_proj = dense(lanes)
-        self.res_proj = dense(lanes * lanes)
+        cfg = self.config
+        lanes = cfg.hyper_connection_lanes
+        linear = partial(FlaxNeedleLinear, lanes * cfg.hidden_size, dtype=jnp.float32, init_std=cfg.initializer_range)
+        self.pre_proj = linear(lanes)
+        self.post_proj = linear(lanes)
+        self.res_proj = linear(lanes * lanes)
         self.pre_bias = self.param("pre_bias", nn.initializers.zeros, (lanes,))
         self.post_bias = self.param("post_bias", nn.initializers.zeros, (lanes,))
         self.res_bias = self.param("res_bias", lambda key, shape: 4.0 * jnp.eye(lanes), (lanes, lanes))
@@ -271,9 +357,10 @@ class FlaxNeedleHyperConnection(nn.Module):
         f32 = lambda p: jnp.asarray(p, jnp.float32)  # noqa: E731
         b, t, _ = lanes_flat_unit.shape
         n = self.config.hyper_connection_lanes
-        pre = nn.sigmoid(f32(self.pre_alpha) * self.pre_proj(lanes_flat_unit) + f32(self.pre_bias) + pre_offset)
-        post = 2 * nn.sigmoid(f32(self.post_alpha) * self.post_proj(lanes_flat_unit) + f32(self.post_bias) + post_offset)
-        routing_logits = f32(self.res_alpha) * self.res_proj(lanes_flat_unit).reshape(b, t, n, n) + f32(self.res_bias)
+        pre_logits, post_logits, routing_logits = fused_projections(lanes_flat_unit, (self.pre_proj, self.post_proj, self.res_proj))
+        pre = nn.sigmoid(f32(self.pre_alpha) * pre_logits + f32(self.pre_bias) + pre_offset)
+        post = 2 * nn.sigmoid(f32(self.post_alpha) * post_logits + f32(self.post_bias) + post_offset)
+        routing_logits = f32(self.res_alpha) * routing_logits.reshape(b, t, n, n) + f32(self.res_bias)
         return pre, post, sinkhorn(routing_logits)
 
 
@@ -301,7 +388,11 @@ class FlaxNeedleDecoderLayer(FlaxNeedleBlock):
 
 
 class FlaxNeedleEngram(nn.Module):
-    """Hashed n-gram memory for one engram site: keys and (dilated-conv) values per position."""
+    """Hashed n-gram memory for one engram site: keys and (dilated-conv) values per position.
+
+    The values convolve the value projections of the last `reach = dilation * (taps - 1)` positions,
+    which the caller keeps (the cache does, when decoding), so only new positions are projected.
+    """
 
     config: NeedleConfig
     dtype: jnp.dtype = jnp.float32
@@ -318,36 +409,38 @@ class FlaxNeedleEngram(nn.Module):
             "conv_taps", lambda key, shape: jnp.zeros(shape).at[0].set(1.0), (cfg.engram_conv_taps, cfg.hidden_size)
         )
 
-    def __call__(self, indices, ngram_visible, tap_visible):
-        """indices [B, C, tables]; ngram_visible [B, C, tables]; tap_visible [taps, B, C] -> keys, values [B, C, D]."""
+    def __call__(self, indices, ngram_visible, tap_visible, past_projected):
+        """Keys and values of T new positions.
+
+        indices, ngram_visible [B, T, tables]; tap_visible [taps, B, T] (is the position each tap
+        reads visible); past_projected [B, reach, D]: value projections of the positions before
+        these -> (keys [B, T, D], values [B, T, D], value projections of the last `reach` positions).
+        """
         cfg = self.config
-        b, c, num_tables = indices.shape
-        rows = self.tables[jnp.arange(num_tables), indices]  # [B, C, tables, sub]
+        b, t, num_tables = indices.shape
+        reach = past_projected.shape[1]
+        rows = self.tables[jnp.arange(num_tables), indices]  # [B, T, tables, sub]
         rows = rows * ngram_visible[..., None]
-        e = rows.reshape(b, c, num_tables * cfg.engram_sub_dim).astype(self.dtype)  # [B, C, E]
+        e = rows.reshape(b, t, num_tables * cfg.engram_sub_dim).astype(self.dtype)  # [B, T, E]
         keys = self.key_proj(e)
-        projected = self.value_proj(e)
+        projected = jnp.concatenate([past_projected.astype(self.dtype), self.value_proj(e)], axis=1)  # [B, reach + T, D]
         taps = self.conv_taps.astype(self.dtype)
         values = sum(
-            taps[j] * shift_right(projected, j * cfg.engram_conv_dilation) * tap_visible[j][..., None]
+            taps[j] * projected[:, reach - j * cfg.engram_conv_dilation :][:, :t] * tap_visible[j][..., None]
             for j in range(cfg.engram_conv_taps)
         )
-        return keys, values
+        return keys, values, projected[:, t:]
 
 
 class FlaxNeedleLayerCollection(nn.Module):
     """Decoder layers whose parameters are named per layer (`model.layers.{i}.*`).
 
-    Two ways to run the same layers, chosen by the number of new tokens T (a static shape):
-      * T > 1 (prompts, full sequences): one `lax.scan` over the parameters stacked on the fly, so XLA
-        compiles a single layer body; stacking costs one copy of the weights, small next to the
-        matmuls of T tokens.
-      * T == 1 (a decoding step): the layers unrolled, each reading its own parameters in place. A
-        step reads every weight once and does little else, so a scan's per-layer slice of the
-        stacked weights (a copy) would double its memory traffic.
-    All layers are initialised by one vmapped init of a standalone decoder layer, so initialising
-    27 layers costs one layer's compile. The cache holds each layer's keys/values [B, K, S, H] as
-    `keys_{i}`/`values_{i}`.
+    The layers run unrolled, each reading its own parameters in place. (A `lax.scan` would compile
+    one layer body instead of `num_hidden_layers`, but it needs the parameters stacked: a 140 MB
+    copy per call at the Needle 2 size, plus a copy of each layer's slice per step; both cost more
+    time than the layers' own matmuls of a decoding step.) All layers are initialised by one vmapped
+    init of a standalone decoder layer, so initialising 27 layers costs one layer's compile. The
+    cache holds each layer's keys [B, K, H, S] and values [B, K, S, H] as `keys_{i}`/`values_{i}`.
     """
 
     config: NeedleConfig
@@ -372,10 +465,10 @@ class FlaxNeedleLayerCollection(nn.Module):
         if not (init_cache or self.has_variable("cache", "keys_0")):
             return None
         b, s = lanes.shape[:2]  # at init_cache, T is the cache length
-        shape = (b, cfg.num_key_value_heads, s, cfg.head_dim)
+        kv, h = cfg.num_key_value_heads, cfg.head_dim
         return [
-            (self.variable("cache", f"keys_{i}", jnp.zeros, shape, self.dtype),
-             self.variable("cache", f"values_{i}", jnp.zeros, shape, self.dtype))
+            (self.variable("cache", f"keys_{i}", jnp.zeros, (b, kv, h, s), self.dtype),
+             self.variable("cache", f"values_{i}", jnp.zeros, (b, kv, s, h), self.dtype))
             for i in range(cfg.num_hidden_layers)
         ]
 
@@ -386,73 +479,56 @@ class FlaxNeedleLayerCollection(nn.Module):
         memory: (engram keys, engram values) [sites, B, T, D], or None without engram sites.
         """
         cfg = self.config
-        num_layers, lanes_n = cfg.num_hidden_layers, cfg.hyper_connection_lanes
-        pre_offsets, post_offsets = hyper_connection_offsets(num_layers, lanes_n)
+        pre_offsets, post_offsets = hyper_connection_offsets(cfg.num_hidden_layers, cfg.hyper_connection_lanes)
         site_of_layer = {layer: s for s, layer in enumerate(cfg.engram_layers)}
-
         initial = self._init_all_layers(self.make_rng("params")) if self.is_initializing() else None
-        per_layer = [
-            self.param(str(i), lambda rng, i=i: jax.tree.map(lambda leaf: leaf[i], initial)) for i in range(num_layers)
-        ]
         cache_vars = self._kv_cache_variables(lanes, init_cache)
         caching = cache_vars is not None and not init_cache
         layer_module = self._layer()
-
-        def run_layer(params, lanes, pre, post, engram, kv):
-            return layer_module.apply({"params": params}, lanes, cos, sin, key_mask, (pre, post), engram=engram, kv_cache=kv)
-
-        if lanes.shape[1] == 1:
-            lane_means = []
-            for i in range(num_layers):
-                s = site_of_layer.get(i)
-                engram = None if s is None or memory is None else (memory[0][s], memory[1][s])
-                kv = LayerKVCache(cache_vars[i][0].value, cache_vars[i][1].value, cache_index) if caching else None
-                lanes, kv = run_layer(per_layer[i], lanes, pre_offsets[i], post_offsets[i], engram, kv)
-                if caching:
-                    cache_vars[i][0].value, cache_vars[i][1].value = kv.keys, kv.values
-                if output_hidden_states:
-                    lane_means.append(jnp.mean(lanes, axis=2))
-            return lanes, (jnp.stack(lane_means) if output_hidden_states else None)
-
-        # One-hot engram site of each layer (all zero off the engram layers: they read zero memory).
-        site_weights = np.zeros((num_layers, max(1, len(cfg.engram_layers))), np.float32)
-        for layer, s in site_of_layer.items():
-            site_weights[layer, s] = 1.0
-
-        def step(lanes, xs):
-            params, pre, post, weights, kv = xs
-            engram = None
-            if memory is not None:
-                engram = tuple(jnp.einsum("s,sbtd->btd", weights, m.astype(jnp.float32)).astype(m.dtype) for m in memory)
-            if kv is not None:
-                kv = LayerKVCache(kv[0], kv[1], cache_index)
-            lanes, kv = run_layer(params, lanes, pre, post, engram, kv)
-            mean = jnp.mean(lanes, axis=2) if output_hidden_states else None
-            return lanes, (mean, None if kv is None else (kv.keys, kv.values))
-
-        stack = lambda trees: jax.tree.map(lambda *leaves: jnp.stack(leaves), *trees)  # noqa: E731
-        stacked_kv = stack([(k.value, v.value) for k, v in cache_vars]) if caching else None
-        xs = (stack(per_layer), jnp.asarray(pre_offsets), jnp.asarray(post_offsets), jnp.asarray(site_weights), stacked_kv)
-        lanes, (lane_means, new_kv) = jax.lax.scan(step, lanes, xs)
-        if caching:
-            for i, (k, v) in enumerate(cache_vars):
-                k.value, v.value = new_kv[0][i], new_kv[1][i]
-        return lanes, lane_means
+        lane_means = []
+        for i in range(cfg.num_hidden_layers):
+            params = self.param(str(i), lambda rng, i=i: jax.tree.map(lambda leaf: leaf[i], initial))
+            s = site_of_layer.get(i)
+            engram = None if s is None else (memory[0][s], memory[1][s])
+            kv = LayerKVCache(cache_vars[i][0].value, cache_vars[i][1].value, cache_index) if caching else None
+            lanes, kv = layer_module.apply(
+                {"params": params}, lanes, cos, sin, key_mask, (pre_offsets[i], post_offsets[i]), engram=engram, kv_cache=kv
+            )
+            if caching:
+                cache_vars[i][0].value, cache_vars[i][1].value = kv.keys, kv.values
+            if output_hidden_states:
+                lane_means.append(jnp.mean(lanes, axis=2))
+        return lanes, (jnp.stack(lane_means) if output_hidden_states else None)
 
 
 class FlaxNeedleEngramCollection(nn.Module):
-    """Engram sites named "0", "1", ... so parameters read `model.engrams.{s}.*`."""
+    """Engram sites named "0", "1", ... so parameters read `model.engrams.{s}.*`.
+
+    When decoding with a cache, each site keeps the value projections of the last `reach` positions
+    as `projected_values_{s}` [B, reach, D].
+    """
 
     config: NeedleConfig
     dtype: jnp.dtype = jnp.float32
 
-    def setup(self):
-        self.sites = [FlaxNeedleEngram(self.config, dtype=self.dtype, name=str(s)) for s in range(len(self.config.engram_layers))]
-
-    def __call__(self, indices, ngram_visible, tap_visible, new_tokens: int):
-        """(keys, values) [sites, B, new_tokens, D] for the last `new_tokens` context positions."""
-        keys, values = zip(*(site(indices, ngram_visible, tap_visible) for site in self.sites))
-        return jnp.stack(keys)[:, :, -new_tokens:], jnp.stack(values)[:, :, -new_tokens:]
+    @nn.compact
+    def __call__(self, indices, ngram_visible, tap_visible, *, init_cache: bool = False):
+        """(keys, values) [sites, B, T, D] for T new positions (inputs as `FlaxNeedleEngram`, without the past)."""
+        cfg = self.config
+        shape = (indices.shape[0], cfg.engram_conv_dilation * (cfg.engram_conv_taps - 1), cfg.hidden_size)
+        keys, values = [], []
+        for s in range(len(cfg.engram_layers)):
+            name = f"projected_values_{s}"
+            state = None
+            if init_cache or self.has_variable("cache", name):
+                state = self.variable("cache", name, jnp.zeros, shape, self.dtype)
+            past = jnp.zeros(shape, self.dtype) if state is None or init_cache else state.value
+            k, v, projected = FlaxNeedleEngram(cfg, dtype=self.dtype, name=str(s))(indices, ngram_visible, tap_visible, past)
+            if state is not None and not init_cache:
+                state.value = projected
+            keys.append(k)
+            values.append(v)
+        return jnp.stack(keys), jnp.stack(values)
 
 
 @flax.struct.dataclass
@@ -512,21 +588,22 @@ class FlaxNeedleModule(nn.Module):
         """Token embedding scaled by sqrt(D), in the parameter dtype. [B, T] -> [B, T, D]."""
         return self.embed_tokens(input_ids) * math.sqrt(self.config.hidden_size)
 
-    def _engram_memory(self, context_tokens, context_valid, new_tokens: int):
+    def _engram_memory(self, context_tokens, context_valid, new_tokens: int, init_cache: bool):
         """(keys, values) [sites, B, new_tokens, D] for the last `new_tokens` of the context [B, C]."""
         cfg = self.config
         if self.engrams is None:
             return None
         orders, heads = cfg.engram_orders, cfg.engram_num_heads
+        new = lambda x: x[:, x.shape[1] - new_tokens :]  # noqa: E731  (the new positions of a context array)
         # Invisible (padded) positions hash as token 0, like positions before the start.
         indices = engram_hash_indices(jnp.where(context_valid, context_tokens, 0), orders, heads, cfg.engram_slots)
         ngram_visible = jnp.stack(
             [shift_right(context_valid, o - 1, fill=False) for o in engram_table_orders(orders, heads)], -1
         )
         tap_visible = jnp.stack(
-            [shift_right(context_valid, j * cfg.engram_conv_dilation, fill=False) for j in range(cfg.engram_conv_taps)]
+            [new(shift_right(context_valid, j * cfg.engram_conv_dilation, fill=False)) for j in range(cfg.engram_conv_taps)]
         )
-        return self.engrams(indices, ngram_visible, tap_visible, new_tokens)
+        return self.engrams(new(indices), new(ngram_visible), tap_visible, init_cache=init_cache)
 
     def key_mask(self, attention_mask, query_length: int, cache_index):
         """Which keys each query may see: [B, T, S] from a [B, S] padding mask (S = cache length when decoding)."""
@@ -554,7 +631,7 @@ class FlaxNeedleModule(nn.Module):
         cos, sin = rope_tables(position_ids, cfg.head_dim, cfg.rope_theta)
 
         x0 = self.embed(input_ids)  # [B, T, D], parameter dtype
-        memory = self._engram_memory(context_tokens, context_valid, t)
+        memory = self._engram_memory(context_tokens, context_valid, t, init_cache)
         lanes = jnp.broadcast_to(x0.astype(self.dtype)[:, :, None, :], (b, t, cfg.hyper_connection_lanes, cfg.hidden_size))
         lanes, lane_means = self.layers(
             lanes, cos, sin, key_mask, memory,

@@ -58,6 +58,7 @@ from .numerics import (
     ENGRAM_HASH_PRIME,
     ENGRAM_HASH_SHIFT,
     SINKHORN_ITERATIONS,
+    SINKHORN_LINEAR_SPACE_MAX_SPREAD,
     UINT32_MASK,
     engram_table_orders,
     engram_table_seeds,
@@ -81,9 +82,6 @@ CONTRASTIVE_PROBES = 4
 CONFIDENCE_PROBES = 8
 # Epsilon of the contrastive embedding's L2 normalisation.
 CONTRASTIVE_NORM_EPS = 1e-12
-# Widest logit spread (max - min, in nats) of one lane-mixing matrix that `sinkhorn` normalises in
-# linear space: entries stay >= exp(-60) / 3 ~ 3e-27, far above float32's smallest normal (1.2e-38).
-SINKHORN_LINEAR_SPACE_MAX_SPREAD = 30.0
 
 
 class NeedleWeightsError(ValueError):
@@ -154,10 +152,9 @@ def sinkhorn(logits: torch.Tensor, iterations: int = SINKHORN_ITERATIONS) -> tor
     opens an OpenMP parallel region per call, which costs far more than the arithmetic whenever
     more than one thread is set.)
 
-    Linear space could underflow where one matrix's logits spread far: with spread ``s = max - min``
-    every intermediate entry stays above ``exp(-2 s) / (n - 1)`` (row and column scalings never
-    differ by more than ``exp(s)``), a normal float32 while ``s <= SINKHORN_LINEAR_SPACE_MAX_SPREAD``.
-    Wider logits take the log-space path (checking the spread reads one number back to the host).
+    Linear space could underflow where one matrix's logits spread far (see
+    ``SINKHORN_LINEAR_SPACE_MAX_SPREAD``); wider logits take the log-space path (checking the spread
+    reads one number back to the host).
     """
     shifted = logits - logits.amax(dim=(-2, -1), keepdim=True)  # each matrix's largest logit at 0
     if shifted.numel() and shifted.min().item() < -SINKHORN_LINEAR_SPACE_MAX_SPREAD:

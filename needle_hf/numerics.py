@@ -16,6 +16,11 @@ UINT32_MASK = 0xFFFFFFFF
 
 # Hyper-connection routing: rounds of log-space Sinkhorn normalisation (rows, then columns).
 SINKHORN_ITERATIONS = 20
+# Widest logit spread (max - min, in nats) of one lane-mixing matrix that the models' Sinkhorn
+# normalises in linear space: with spread s every intermediate entry stays above exp(-2 s) / (n - 1)
+# (row and column scalings never differ by more than exp(s)), for s = 30 about 3e-27, far above
+# float32's smallest normal (1.2e-38). Wider logits take the log-space path.
+SINKHORN_LINEAR_SPACE_MAX_SPREAD = 30.0
 # Lane ownership offsets: layer i owns lane i mod lanes. Its pre-mix logit gets +4 on the own lane
 # and -4 on the others; its post-mix logit 0 on the own lane and -4 on the others.
 OWN_LANE_PRE_OFFSET = 4.0

@@ -21,7 +21,7 @@ from needle_reference import (
     reference_heads,
     reference_logits,
 )
-from needle_hf.modeling_flax_needle import FlaxNeedleForCausalLM, FlaxNeedleModel
+from needle_hf.modeling_flax_needle import FlaxNeedleForCausalLM, FlaxNeedleModel, sinkhorn
 from needle_hf.weight_names import WeightMappingError, hf_weight_shapes
 from transformers import FlaxAutoModelForCausalLM
 
@@ -203,6 +203,16 @@ def test_flax_format_safetensors_are_refused(tiny_checkpoints, tmp_path):
     save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "flax"})
     with pytest.raises(WeightMappingError, match="format 'pt'"):
         FlaxNeedleForCausalLM.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("spread", [8.0, 200.0], ids=["linear-space", "log-space"])
+def test_sinkhorn_matches_the_reference_rounds(spread):
+    """Lane mixing as the reference computes it (20 log-space rounds), also for logits spread too far
+    (> 30) for `sinkhorn`'s linear-space form, where it falls back to log space."""
+    from needle.model.architecture import _sinkhorn
+
+    logits = jnp.asarray(np.random.default_rng(3).uniform(0.0, spread, size=(2, 5, 4, 4)).astype(np.float32))
+    assert np.max(np.abs(np.asarray(jax.jit(sinkhorn)(logits)) - np.asarray(_sinkhorn(logits)))) <= 1e-6
 
 
 def test_over_long_input_raises():
