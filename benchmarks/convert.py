@@ -8,7 +8,7 @@ peak RSS comes from `os.wait4` (the kernel's ru_maxrss for that process alone). 
 own time, without the imports, is the "s" the summary line prints; it is reported beside the wall
 time. An "imports only" run measures the floor every variant pays.
 
-Usage: python benchmarks/convert.py [--variants default torch no-verify] [--workdir DIR] [--show-steps]
+Usage: python benchmarks/convert.py [--variants default 'logits: flax'] [--workdir DIR] [--show-steps]
 Needs the test dependencies (the reference builds the checkpoint's parameter tree).
 """
 
@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import resource
 import subprocess
 import sys
 import tempfile
@@ -24,25 +25,32 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))
 
 TARGET_SECONDS = 10.0
 TARGET_RSS_RATIO = 3.0
 VARIANTS = {
     "imports only": None,
     "default": [],
-    "torch": ["--verify-with", "torch"],
-    "no-verify": ["--no-verify"],
+    "logits: flax": ["--verify-with", "flax"],
+    "logits: torch": ["--verify-with", "torch"],
 }
 _SUMMARY_SECONDS = re.compile(r"bytes \([a-z0-9]+\), ([0-9.]+) s")
 
 
 def build_checkpoint(folder: Path) -> Path:
-    """A base-preset native checkpoint with every leaf perturbed, written the reference's way."""
-    from needle_reference import BASE_NATIVE_CONFIG, make_native_params, write_native_checkpoint
+    """A base-preset native checkpoint with every leaf perturbed, written the reference's way.
 
+    Built in a child process: a measured child inherits its parent's resident size at fork as its
+    starting peak RSS (ru_maxrss counts the pages it shares before exec), so this process must stay
+    small and never hold the checkpoint itself.
+    """
     path = folder / "needle2-base.pkl"
-    write_native_checkpoint(path, make_native_params(BASE_NATIVE_CONFIG, seed=0), BASE_NATIVE_CONFIG)
+    script = (
+        "import sys; sys.path.insert(0, sys.argv[2])\n"
+        "from needle_reference import BASE_NATIVE_CONFIG, make_native_params, write_native_checkpoint\n"
+        "write_native_checkpoint(sys.argv[1], make_native_params(BASE_NATIVE_CONFIG, seed=0), BASE_NATIVE_CONFIG)\n"
+    )
+    subprocess.run([sys.executable, "-c", script, str(path), str(REPO / "tests")], check=True, cwd=REPO)
     return path
 
 
@@ -65,6 +73,8 @@ def main(argv=None):
     parser.add_argument("--workdir", type=Path, help="where to write the checkpoint and outputs (default: a temp dir)")
     parser.add_argument("--show-steps", action="store_true", help="print each run's timed progress lines")
     args = parser.parse_args(argv)
+    print(f"benchmark process: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MB peak RSS "
+          "(each child starts from its parent's size; this must stay small)")
 
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="needle-convert-bench-"))
     workdir.mkdir(parents=True, exist_ok=True)

@@ -9,16 +9,21 @@ strict (an unknown, missing or mis-shaped tensor is an error naming it):
    output dtype (`--dtype`, else the source's own float dtype; float32 for a `.cact`).
 3. The fast tokenizer, from `--tokenizer` or the blob, with the chat template; its vocabulary
    must be the model's.
-4. HF tensors through the key table (`weight_names.native_to_hf`, strict).
-5. Source logits for the check in step 7 (`verification.SourceLogits`: an independent numpy
-   forward over the native tree); then the native tree is released and the HF tensors are cast
-   to the output dtype (an overflow is an error naming the tensor).
+4. HF tensors through the key table (`weight_names.native_to_hf`, strict), as views of the
+   native arrays: the model is held in memory once.
+5. With a logit check requested (`verify_with`), the source logits for step 7
+   (`verification.SourceLogits`: an independent numpy forward over the native tree). The HF
+   tensors are cast to the output dtype (an overflow is an error naming the tensor).
 6. Write `config.json`, `generation_config.json`, `model.safetensors` (PyTorch layout, metadata
-   `format: pt`) and the tokenizer files into a temporary folder beside OUT_DIR.
-7. Verify: every tensor read back from the file equals the in-memory tensor bit for bit, and the
-   HF model loaded from the folder gives the source logits (and MTP logits) on a fixed sequence.
-   The model runs in float32 on the stored values, so the check measures the conversion, not the
-   output dtype; how much rounding to that dtype moves the logits is recorded separately.
+   `format: pt`, streamed out one tensor at a time) and the tokenizer files into a temporary folder
+   beside OUT_DIR.
+7. Verify: every tensor read back from the file equals the in-memory tensor bit for bit, and
+   `safetensors` reads the file as this config's PyTorch-layout tensors. With `verify_with`, also
+   the HF model loaded from the folder gives the source logits (and MTP logits) on a fixed
+   sequence; it runs in float32 on the stored values, so the check measures the conversion, not
+   the output dtype (how much rounding to that dtype moves the logits is recorded separately).
+   The logit check is opt-in because it costs what the conversion does not: the model framework
+   and a second copy of the weights in memory (about 450 MB and 15 s more for Needle 2).
 8. `conversion_report.json` (source sha256, converter version, the measured differences), then the
    temporary folder is renamed to OUT_DIR. An existing OUT_DIR is replaced only now (`overwrite`).
    Any failure removes the temporary folder: nothing is left behind.
@@ -60,6 +65,7 @@ from needle_hf.weight_names import native_to_hf, optional_heads_in_native
 from . import verification
 from .cact import CACT_TAG, read_cact
 from .export import SAFETENSORS_NAME, numpy_dtype
+from .safetensors_stream import write_safetensors
 from .formats import SourceFormat, UnknownSourceFormatError, detect_source_format
 from .native_checkpoint import load_native_checkpoint
 
@@ -294,12 +300,6 @@ def cast_tensors(tensors: dict[str, np.ndarray], dtype_name: str) -> dict[str, n
     return tensors
 
 
-def _write_weights(path: Path, tensors: dict[str, np.ndarray]):
-    from safetensors.numpy import save_file
-
-    save_file(tensors, str(path), metadata={"format": "pt"})
-
-
 # --------------------------------------------------------------------------------------------------
 # The pipeline.
 
@@ -311,8 +311,7 @@ def convert(
     tokenizer=None,
     dtype: str | None = None,
     overwrite: bool = False,
-    verify: bool = True,
-    verify_with: str = "auto",
+    verify_with: str | None = None,
     progress: Progress | None = None,
 ) -> ConversionResult:
     """Convert a native `.pkl` or a `.cact` into a Hugging Face folder at `out_dir` (see the module docstring).
@@ -323,9 +322,9 @@ def convert(
         tokenizer: a SentencePiece `tokenizer.model`; default: the blob's embedded tokenizer, if any.
         dtype: "float32", "bfloat16" or "float16"; default: the source's dtype (float32 for a `.cact`).
         overwrite: replace an existing, non-empty `out_dir` (only once the new folder is complete).
-        verify: compare the loaded model's logits with the source's (the bit-exact read-back of the
-            written tensors always runs).
-        verify_with: "flax", "torch" or "auto" (Flax when available).
+        verify_with: also compare the logits of the written folder's HF model with the source's:
+            "flax", "torch" or "auto" (Flax when available); None (default) for no logit check.
+            The bit-exact read-back of the written tensors always runs.
         progress: called with one line per step (the CLI prints them on stderr).
 
     Returns:
@@ -337,7 +336,7 @@ def convert(
     _check_output_dir(out_dir, overwrite=overwrite)
     if dtype is not None:
         numpy_dtype(dtype)  # validates the name before any work
-    backend = verification.resolve_backend(verify_with) if verify else None
+    backend = None if verify_with is None else verification.resolve_backend(verify_with)
 
     # Steps 1-5, in memory.
     progress(f"reading {source_path}")
@@ -363,13 +362,14 @@ def convert(
     )
     tokenizer_object, tokenizer_facts = _build_tokenizer(source, tokenizer, config, progress)
     progress("mapping tensors to Hugging Face names")
-    tensors = native_to_hf(source.params, config)  # strict: refuses unknown, missing and mis-shaped leaves
+    # Strict: refuses unknown, missing and mis-shaped leaves. Views: no second copy of the model.
+    tensors = native_to_hf(source.params, config, copy=False)
     tensor_count, parameters = len(tensors), sum(int(value.size) for value in tensors.values())
     source_logits = None
-    if verify:
+    if backend is not None:
         progress("computing the source logits (numpy forward over the native tree)")
         source_logits = verification.SourceLogits(source.params, config, output_dtype=dtype, source_dtype=source_dtype)
-    source.params = None  # the HF tensors are all that is needed from here on
+    source.params = None  # the HF tensors (views of its arrays) are all that is needed from here on
     tensors = cast_tensors(tensors, dtype)
 
     # Steps 6-8, in a staging folder beside OUT_DIR.
@@ -379,7 +379,7 @@ def convert(
         config.save_pretrained(str(staging))
         _generation_config().save_pretrained(str(staging))
         weights_path = staging / SAFETENSORS_NAME
-        _write_weights(weights_path, tensors)
+        write_safetensors(weights_path, tensors, metadata=verification.SAFETENSORS_METADATA)
         if tokenizer_object is not None:
             save_fast_tokenizer(tokenizer_object, str(staging))
 
@@ -387,7 +387,7 @@ def convert(
         verification.verify_tensors(weights_path, tensors, config)
         del tensors
         checks: dict = {"tensors_bit_exact": True, "max_abs_logit_diff": None}
-        if verify:
+        if backend is not None:
             progress(f"verifying: logits of the written folder ({backend} model) against the source")
             logits, mtp_logits = verification.model_logits(
                 staging, source_logits.tokens, with_mtp=config.use_mtp_head, backend=backend

@@ -232,25 +232,32 @@ def is_native_checkpoint(path) -> bool:
 
 
 def _unpickle(path: Path):
-    data = path.read_bytes()
-    if not data:
-        raise CheckpointFormatError(f"{path}: empty file, not a native Needle checkpoint")
-    # The top level must be a dict: protocol >= 2 starts with PROTO, protocol 0 with MARK ("(dp0"),
-    # protocol 1 with EMPTY_DICT.
-    if not (looks_like_pickle(data[:2]) or data[:1] in (b"(", b"}")):
-        raise CheckpointFormatError(f"{path}: not a pickle (starts with bytes {data[:8].hex(' ')}), not a native Needle checkpoint")
-    stream = io.BytesIO(data)
-    try:
-        obj = _CheckpointUnpickler(stream).load()
-    except CheckpointFormatError as error:
-        raise type(error)(f"{path}: {error}") from None
-    except Exception as error:  # a damaged pickle fails in many ways (EOFError, UnpicklingError, ...)
-        raise CheckpointFormatError(
-            f"{path}: cannot unpickle ({type(error).__name__}: {error}); the file is truncated or corrupt"
-        ) from error
-    trailing = len(data) - stream.tell()
+    # Unpickled from the open file, not from its bytes in memory: a checkpoint's arrays then cost
+    # their own size once, not twice.
+    with open(path, "rb") as stream:
+        head = stream.read(2)
+        if not head:
+            raise CheckpointFormatError(f"{path}: empty file, not a native Needle checkpoint")
+        # The top level must be a dict: protocol >= 2 starts with PROTO, protocol 0 with MARK ("(dp0"),
+        # protocol 1 with EMPTY_DICT.
+        if not (looks_like_pickle(head) or head[:1] in (b"(", b"}")):
+            head += stream.read(6)
+            raise CheckpointFormatError(
+                f"{path}: not a pickle (starts with bytes {head.hex(' ')}), not a native Needle checkpoint"
+            )
+        stream.seek(0)
+        try:
+            obj = _CheckpointUnpickler(stream).load()
+        except CheckpointFormatError as error:
+            raise type(error)(f"{path}: {error}") from None
+        except Exception as error:  # a damaged pickle fails in many ways (EOFError, UnpicklingError, ...)
+            raise CheckpointFormatError(
+                f"{path}: cannot unpickle ({type(error).__name__}: {error}); the file is truncated or corrupt"
+            ) from error
+        end = stream.tell()
+        trailing = os.fstat(stream.fileno()).st_size - end
     if trailing:
-        raise CheckpointFormatError(f"{path}: {trailing} unexpected byte(s) after the end of the pickle at offset {stream.tell()}")
+        raise CheckpointFormatError(f"{path}: {trailing} unexpected byte(s) after the end of the pickle at offset {end}")
     return obj
 
 

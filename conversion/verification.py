@@ -1,5 +1,5 @@
-"""The checks that close every conversion: the written tensors read back bit for bit, and the HF
-model loaded from the written folder reproduces the source's logits.
+"""The checks that close a conversion: the written tensors read back bit for bit (always), and, on
+request (`--verify-with`), the HF model loaded from the written folder reproduces the source's logits.
 
 Source logits come from `native_forward`, an independent numpy forward over the *native* tree, with
 every weight rounded to the output dtype. The HF model (Flax, or PyTorch) runs in float32 on the
@@ -21,6 +21,7 @@ from needle_hf.tokenization_needle import BOS_ID
 
 from .export import check_names_and_shapes, numpy_dtype
 from .native_forward import float32_leaf, native_logits
+from .safetensors_stream import SafetensorsMismatchError, check_safetensors_bytes
 
 # Length of the fixed check sequence: longer than the 11 tokens of history an engram output reads.
 VERIFY_LENGTH = 16
@@ -28,6 +29,8 @@ VERIFY_LENGTH = 16
 # implementations agree to ~1e-6 of the logit scale; a conversion mistake moves logits by O(1).
 VERIFY_RELATIVE_TOLERANCE = 1e-4
 VERIFY_BACKENDS = ("auto", "flax", "torch")
+# The metadata of every written model.safetensors: PyTorch layout, which Flax and PyTorch both load.
+SAFETENSORS_METADATA = {"format": "pt"}
 
 
 class VerificationError(ValueError):
@@ -43,24 +46,20 @@ def verification_tokens(config) -> np.ndarray:
 
 
 def verify_tensors(weights_path: Path, expected: dict[str, np.ndarray], config):
-    """Every tensor of the written file equals the in-memory one bit for bit, with its name, shape and dtype."""
+    """Every tensor of the written file equals the in-memory one bit for bit, with its name, shape and
+    dtype; and `safetensors` itself reads the file as a PyTorch-layout file of this config's tensors."""
     from safetensors import safe_open
 
-    with safe_open(str(weights_path), framework="numpy") as handle:
+    with safe_open(str(weights_path), framework="numpy") as handle:  # parses the header only
         layout = (handle.metadata() or {}).get("format")
         if layout != "pt":
             raise VerificationError(f"{weights_path}: metadata format {layout!r}, expected 'pt'")
         shapes = {name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()}
         check_names_and_shapes(shapes, config, where=str(weights_path))
-        for name, want in expected.items():
-            got = handle.get_tensor(name)
-            if got.dtype != want.dtype or got.shape != want.shape:
-                raise VerificationError(
-                    f"{weights_path}: tensor {name} reads back as {got.dtype}{list(got.shape)}, "
-                    f"expected {want.dtype}{list(want.shape)}"
-                )
-            if not np.array_equal(got.reshape(-1).view(np.uint8), want.reshape(-1).view(np.uint8)):
-                raise VerificationError(f"{weights_path}: tensor {name} does not read back bit-exactly")
+    try:
+        check_safetensors_bytes(weights_path, expected, metadata=SAFETENSORS_METADATA)
+    except SafetensorsMismatchError as error:
+        raise VerificationError(str(error)) from None
 
 
 def resolve_backend(backend: str) -> str:

@@ -1,7 +1,7 @@
 """The `needle-hf` command line.
 
     needle-hf convert SRC OUT_DIR [--tokenizer tokenizer.model] [--dtype float32|bfloat16|float16]
-                                  [--overwrite] [--no-verify] [--verify-with auto|flax|torch]
+                                  [--overwrite] [--verify-with auto|flax|torch]
     needle-hf export HF_DIR OUT.pkl [--dtype ...] [--overwrite] [--no-verify]
 
 Progress goes to stderr, the one-line summary to stdout. A problem with the input (a malformed or
@@ -45,11 +45,10 @@ def _add_convert_arguments(parser: argparse.ArgumentParser):
                         help="weight dtype of model.safetensors (default: the source's; float32 for a .cact)")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace a non-empty OUT_DIR (only once the new folder is complete)")
-    parser.add_argument("--no-verify", dest="verify", action="store_false",
-                        help="skip the logit comparison of the written folder with the source "
-                             "(the bit-exact read-back of the tensors still runs)")
-    parser.add_argument("--verify-with", choices=VERIFY_BACKENDS, default="auto",
-                        help="the HF model that checks the logits (default: Flax when installed, else PyTorch)")
+    parser.add_argument("--verify-with", choices=VERIFY_BACKENDS,
+                        help="also check that this HF model, loaded from OUT_DIR, reproduces the source's logits "
+                             "(auto: Flax when installed, else PyTorch). Without it, the written tensors are "
+                             "still read back and compared bit for bit")
     hub.add_convert_push_arguments(parser)
 
 
@@ -60,7 +59,6 @@ def _run_convert(args: argparse.Namespace) -> int:
         tokenizer=args.tokenizer,
         dtype=args.dtype,
         overwrite=args.overwrite,
-        verify=args.verify,
         verify_with=args.verify_with,
         progress=_progress("convert"),
     )

@@ -61,7 +61,10 @@ def main(argv=None) -> int:
     from needle_hf.tool_calls import ToolCallParseError, parse_tool_calls
 
     print(f"[1/4] converting {checkpoint} -> {args.out}")
-    result = convert(checkpoint, args.out, tokenizer=tokenizer_path, overwrite=True, progress=lambda line: print(f"      {line}"))
+    result = convert(
+        checkpoint, args.out, tokenizer=tokenizer_path, overwrite=True, verify_with="auto",
+        progress=lambda line: print(f"      {line}"),
+    )
     print(f"      {result.summary()}")
 
     print("[2/4] loading with FlaxAutoModelForCausalLM and AutoTokenizer")

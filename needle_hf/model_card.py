@@ -103,7 +103,7 @@ def conversion_summary(report: dict) -> dict:
     """The provenance and parity rows of a `conversion_report.json`, formatted for the card.
 
     Rows whose figure the report does not hold are left out, so a report written without the logit
-    check (`--no-verify`) yields a card that says so instead of a blank.
+    check (converted without `--verify-with`) yields a card that says so instead of a blank.
     """
     if not isinstance(report, dict):
         raise ModelCardError(f"{REPORT_NAME} must hold a JSON object, got {type(report).__name__}")

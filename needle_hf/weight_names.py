@@ -198,11 +198,13 @@ def _check_shape(where: str, expected: tuple[int, ...], found: tuple[int, ...]):
         raise WeightMappingError(f"tensor {where}: expected shape {tuple(expected)}, got {tuple(found)}")
 
 
-def native_to_hf(params: dict, config, *, to_array: Callable = np.asarray) -> dict[str, np.ndarray]:
+def native_to_hf(params: dict, config, *, to_array: Callable = np.asarray, copy: bool = True) -> dict[str, np.ndarray]:
     """Map a native parameter tree to HF-named tensors, strictly.
 
     Every native leaf must be claimed by the table and every table entry must be present, with the
     shape the config implies; otherwise `WeightMappingError` names the first offending key.
+    With `copy=False` the tensors are views of the native arrays (per-layer slices, transposes), for
+    a writer that streams them out one at a time without a second copy of the model.
     """
     leaves = {path: value for path, value in _flatten(params)}
     specs = weight_specs(config)
@@ -219,7 +221,8 @@ def native_to_hf(params: dict, config, *, to_array: Callable = np.asarray) -> di
             leaf = leaf[spec.layer]
         else:
             _check_shape(where, spec.native_shape, leaf.shape)
-        out[spec.hf_name] = np.array(leaf.T if spec.transpose else leaf, order="C")
+        leaf = leaf.T if spec.transpose else leaf
+        out[spec.hf_name] = np.array(leaf, order="C") if copy else leaf
     unknown = sorted("/".join(p) for p in leaves if p not in claimed)
     if unknown:
         raise WeightMappingError(

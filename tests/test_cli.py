@@ -46,7 +46,7 @@ def blob(params, needle_spm_model, tmp_path_factory):
 @pytest.fixture(scope="module")
 def hf_folder(checkpoint, tmp_path_factory):
     out = tmp_path_factory.mktemp("hf") / "needle2-hf"
-    assert main(["convert", str(checkpoint), str(out), "--no-verify"]) == 0
+    assert main(["convert", str(checkpoint), str(out)]) == 0
     return out
 
 
@@ -90,7 +90,7 @@ def _with_leaf(params, path, value):
 def test_console_script_converts_and_prints_progress_and_a_summary(checkpoint, tmp_path):
     script = Path(sys.executable).parent / "needle-hf"
     out = tmp_path / "needle2-hf"
-    run = subprocess.run([str(script), "convert", str(checkpoint), str(out), "--no-verify"],
+    run = subprocess.run([str(script), "convert", str(checkpoint), str(out)],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     summary = run.stdout.strip().splitlines()
@@ -200,7 +200,7 @@ def test_float16_overflow_names_the_tensor(capsys, params, tmp_path):
     huge = _with_leaf(params, ("stack", "final_norm", "scale"), np.full((64,), 1e6, np.float32))
     source = tmp_path / "model.pkl"
     write_native_checkpoint(source, huge, CONFIG)
-    _fails(capsys, [source, tmp_path / "out", "--dtype", "float16", "--no-verify"], "model.norm.weight", "overflow float16")
+    _fails(capsys, [source, tmp_path / "out", "--dtype", "float16"], "model.norm.weight", "overflow float16")
     assert _listing(tmp_path) == ["model.pkl"]
 
 
@@ -232,16 +232,16 @@ def test_existing_non_empty_output_without_overwrite(capsys, checkpoint, tmp_pat
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
-    _fails(capsys, [checkpoint, out, "--no-verify"], "exists and is not empty; pass --overwrite")
+    _fails(capsys, [checkpoint, out], "exists and is not empty; pass --overwrite")
     assert _listing(tmp_path) == ["out", "out/keep.txt"]
 
 
 def test_overwrite_replaces_the_folder_and_an_empty_one_is_used(checkpoint, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
-    assert main(["convert", str(checkpoint), str(out), "--no-verify"]) == 0  # empty: no --overwrite needed
+    assert main(["convert", str(checkpoint), str(out)]) == 0  # empty: no --overwrite needed
     (out / "stale.txt").write_text("old")
-    assert main(["convert", str(checkpoint), str(out), "--no-verify", "--overwrite"]) == 0
+    assert main(["convert", str(checkpoint), str(out), "--overwrite"]) == 0
     assert "out/stale.txt" not in _listing(tmp_path)
     assert sorted(os.listdir(tmp_path)) == ["out"]  # no staging or previous folder left over
 
@@ -315,3 +315,26 @@ def test_export_refuses_other_models_and_existing_output(capsys, hf_folder, tmp_
     assert main(["export", str(hf_folder), str(existing), "--overwrite"]) == 0
     assert existing.read_bytes()[:2] == b"\x80\x04"  # a pickle now
     assert sorted(os.listdir(tmp_path)) == ["existing.pkl", "llama"]  # no staging file left over
+
+
+def test_the_command_line_imports_no_model_code():
+    """`needle-hf convert` needs neither framework's model code: importing the package registers
+    deferred stand-ins with the Auto classes, which resolve to the real classes on first use."""
+    script = (
+        "import sys\n"
+        "import needle_hf.cli\n"
+        "loaded = sorted(m for m in ('jax', 'flax', 'needle_hf.modeling_needle', 'needle_hf.modeling_flax_needle') if m in sys.modules)\n"
+        "assert not loaded, loaded\n"
+        "from transformers import AutoModelForCausalLM, FlaxAutoModelForCausalLM\n"
+        "from needle_hf.configuration_needle import NeedleConfig\n"
+        "from needle_hf.modeling_flax_needle import FlaxNeedleForCausalLM\n"
+        "from needle_hf.modeling_needle import NeedleForCausalLM\n"
+        "config = NeedleConfig(num_hidden_layers=2, engram_layers=[1], hidden_size=64, attention_dim=64, num_attention_heads=2,\n"
+        "                      num_key_value_heads=1, vocab_size=64, max_position_embeddings=32)\n"
+        "assert type(AutoModelForCausalLM.from_config(config)) is NeedleForCausalLM\n"
+        "assert FlaxAutoModelForCausalLM.from_config(config).__class__ is FlaxNeedleForCausalLM\n"
+        "import needle_hf\n"
+        "assert needle_hf.NeedleForCausalLM is NeedleForCausalLM\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]

@@ -77,9 +77,9 @@ def checkpoint(params, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def converted(checkpoint, needle_spm_model, tmp_path_factory):
-    """The checkpoint converted with the default settings (float32, logits verified with Flax)."""
+    """The checkpoint converted as float32, its logits checked with the Flax model (`--verify-with auto`)."""
     out = tmp_path_factory.mktemp("converted") / "needle2-hf"
-    _convert(checkpoint, out, "--tokenizer", needle_spm_model)
+    _convert(checkpoint, out, "--tokenizer", needle_spm_model, "--verify-with", "auto")
     return out
 
 
@@ -201,7 +201,7 @@ def test_float16_checkpoint_stays_float16_by_default(params, tmp_path):
     source = tmp_path / "averaged-fp16.pkl"
     write_native_checkpoint(source, tree, CONFIG)
     out = tmp_path / "fp16"
-    _convert(source, out, "--no-verify")
+    _convert(source, out)
     tensors, _ = _read_safetensors(out / "model.safetensors")
     assert {value.dtype for value in tensors.values()} == {np.dtype(np.float16)}
     report = json.loads((out / "conversion_report.json").read_text())
@@ -254,7 +254,7 @@ def _reference_dequantized_hf_tensors(blob, config):
     return hf
 
 
-@pytest.mark.parametrize("bits, group, verify", [(4, 128, "--verify-with=flax"), (2, 32, "--no-verify")])
+@pytest.mark.parametrize("bits, group, verify", [(4, 128, "--verify-with=flax"), (2, 32, None)])
 def test_cact_weights_equal_the_reference_dequantization(params, needle_spm_model, tmp_path, bits, group, verify):
     from needle.model.export import write_export
     from needle.model.tokenizer import SANTokenizer
@@ -262,7 +262,7 @@ def test_cact_weights_equal_the_reference_dequantization(params, needle_spm_mode
     blob = tmp_path / f"needle2-w{bits}.cact"
     write_export(params, reference_config(CONFIG), str(blob), bits=bits, group=group, tokenizer=SANTokenizer(str(needle_spm_model)))
     out = tmp_path / "hf"
-    _convert(blob, out, verify)
+    _convert(blob, out, *([verify] if verify else []))
     tensors, _ = _read_safetensors(out / "model.safetensors")
     config = needle_hf.NeedleConfig.from_pretrained(str(out))
     assert not config.use_mtp_head and config.use_contrastive_head and config.use_confidence_head
@@ -287,7 +287,7 @@ def test_tokenizer_embedded_in_cact_gives_sentencepiece_ids(params, needle_spm_m
     blob = tmp_path / "with-tokenizer.cact"
     write_export(params, reference_config(CONFIG), str(blob), bits=4, tokenizer=SANTokenizer(str(needle_spm_model)))
     out = tmp_path / "hf"
-    _convert(blob, out, "--no-verify")
+    _convert(blob, out)
     tokenizer = AutoTokenizer.from_pretrained(str(out))
     processor = sentencepiece.SentencePieceProcessor(model_file=needle_spm_model)
     for text in TEXTS:
@@ -340,7 +340,7 @@ def test_needle2_geometry_converts_with_reference_parity_and_exports_back(tmp_pa
     source = tmp_path / "needle2-base.pkl"
     write_native_checkpoint(source, params, BASE_NATIVE_CONFIG)
     out = tmp_path / "hf"
-    _convert(source, out)  # default path: logits verified with Flax
+    _convert(source, out, "--verify-with", "flax")
     report = json.loads((out / "conversion_report.json").read_text())
     assert report["output"]["parameters"] == 44_938_997 + 264_193 + 8_193  # plus both probe heads
     assert report["verification"]["max_abs_logit_diff"] <= report["verification"]["tolerance"]
@@ -363,3 +363,45 @@ def test_needle2_geometry_converts_with_reference_parity_and_exports_back(tmp_pa
     got = dict(_leaves(loaded))
     for path, value in _leaves(params):
         np.testing.assert_array_equal(got[path], value, err_msg="/".join(path))
+
+
+# ------------------------------------------------------------------------------------------------
+# The streamed safetensors writer and its byte-for-byte check.
+
+
+def test_streamed_safetensors_read_back_by_safetensors_and_checked_byte_for_byte(tmp_path):
+    import ml_dtypes
+    from safetensors import safe_open
+
+    from needle_hf.conversion.safetensors_stream import (
+        SafetensorsMismatchError,
+        check_safetensors_bytes,
+        write_safetensors,
+    )
+
+    rng = np.random.default_rng(0)
+    stacked = rng.standard_normal((3, 5, 7)).astype(np.float32)
+    tensors = {
+        "b.transposed_view": stacked[1].T,  # non-contiguous: written in C order of the view
+        "a.half": rng.standard_normal(6).astype(np.float16),
+        "c.bf16": rng.standard_normal((2, 3)).astype(ml_dtypes.bfloat16),
+        "d.scalar": np.asarray(0.5, np.float32),
+    }
+    path = tmp_path / "model.safetensors"
+    write_safetensors(path, tensors, metadata={"format": "pt"})
+    with safe_open(str(path), framework="numpy") as handle:
+        assert handle.metadata() == {"format": "pt"}
+        assert sorted(handle.keys()) == sorted(tensors)
+        for name, want in tensors.items():
+            got = handle.get_tensor(name)
+            assert got.dtype == want.dtype and got.shape == want.shape
+            assert np.array_equal(got.astype(np.float32), np.asarray(want, np.float32))
+    check_safetensors_bytes(path, tensors, metadata={"format": "pt"})
+
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x01  # last byte of the last tensor in name order
+    path.write_bytes(bytes(data))
+    with pytest.raises(SafetensorsMismatchError, match="tensor d.scalar does not read back bit-exactly"):
+        check_safetensors_bytes(path, tensors, metadata={"format": "pt"})
+    with pytest.raises(SafetensorsMismatchError, match="header"):
+        check_safetensors_bytes(path, {**tensors, "e.extra": np.zeros(1, np.float32)}, metadata={"format": "pt"})

@@ -85,7 +85,7 @@ def converted(tmp_path_factory, needle_spm_model):
     checkpoint = scratch / "needle-tiny.pkl"
     write_native_checkpoint(checkpoint, make_native_params(TINY_WITH_TOKENIZER, seed=11), TINY_WITH_TOKENIZER)
     out_dir = scratch / "needle-tiny-hf"
-    convert(checkpoint, out_dir, tokenizer=needle_spm_model)
+    convert(checkpoint, out_dir, tokenizer=needle_spm_model, verify_with="auto")
     report = json.loads((out_dir / REPORT_NAME).read_text(encoding="utf-8"))
     return checkpoint, out_dir, report
 

@@ -89,7 +89,7 @@ def demo_folder(tmp_path_factory):
     except ImportError:  # transformers 5 venv: the converter (Flax verification) is not installed there
         _build_folder_without_converter(out_dir)
     else:
-        convert(DEMO_CHECKPOINT, out_dir, tokenizer=DEMO_TOKENIZER, verify=False)
+        convert(DEMO_CHECKPOINT, out_dir, tokenizer=DEMO_TOKENIZER)
     return out_dir
 
 
