@@ -16,12 +16,11 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
-import pickle
 import tempfile
 
 import numpy as np
 
-from common import copy_bandwidth_bytes_per_second, make_base_checkpoint, run_worker
+from common import run_worker
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "generate_worker.py")
 
@@ -53,11 +52,10 @@ def main(argv=None):
     if not args.skip_reference:
         impls.append("reference")
     with tempfile.TemporaryDirectory() as folder:
-        params, native = make_base_checkpoint(folder)
-        with open(os.path.join(folder, "native.pkl"), "wb") as f:
-            pickle.dump({"format_version": 2, "params": params, "config": native, "step": 0, "run": {}}, f)
+        # In a child: a measured worker starts from its parent's resident size (ru_maxrss counts the
+        # pages it shares before exec), so this process never holds the weights or the copy buffers.
+        bandwidth = run_worker(WORKER, ["prepare", "0", folder, "0", "0"])["copy_bandwidth_bytes_per_second"]
         weight_bytes = decode_weight_bytes(folder)
-        bandwidth = copy_bandwidth_bytes_per_second()
         rows = {}
         for batch in args.batches:
             for impl in impls:

@@ -3,6 +3,8 @@
     python benchmarks/generate_worker.py IMPL BATCH CHECKPOINT_DIR PROMPT_TOKENS NEW_TOKENS
 IMPL: flax (our jit-compiled generate()), torch (our PyTorch generate()), reference (cactus-needle's
 cached decoding, decode.py's forward_cached loop as in its generate_cached). Prints one JSON line.
+IMPL prepare (other arguments ignored) writes the `base`-preset checkpoint into CHECKPOINT_DIR, as an
+HF folder and as the reference's native.pkl, and reports this machine's copy bandwidth.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import time
 
 import numpy as np
 
-from common import emit, median_seconds, peak_rss_bytes
+from common import copy_bandwidth_bytes_per_second, emit, make_base_checkpoint, median_seconds, peak_rss_bytes
 
 
 def prompt_ids(batch: int, length: int) -> np.ndarray:
@@ -104,8 +106,17 @@ def measure_reference(folder, batch, prompt_len, new_tokens):
     return compile_s, seconds, first
 
 
+def prepare(folder):
+    params, native = make_base_checkpoint(folder)
+    with open(os.path.join(folder, "native.pkl"), "wb") as f:
+        pickle.dump({"format_version": 2, "params": params, "config": native, "step": 0, "run": {}}, f)
+    emit({"copy_bandwidth_bytes_per_second": copy_bandwidth_bytes_per_second()})
+
+
 def main():
     impl, batch, folder, prompt_len, new_tokens = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+    if impl == "prepare":
+        return prepare(folder)
     measure = {"flax": measure_flax, "torch": measure_torch, "reference": measure_reference}[impl]
     compile_s, seconds, tokens = measure(folder, batch, prompt_len, new_tokens)
     emit({
