@@ -110,6 +110,7 @@ def prepare(folder):
     params, native = make_base_checkpoint(folder)
     with open(os.path.join(folder, "native.pkl"), "wb") as f:
         pickle.dump({"format_version": 2, "params": params, "config": native, "step": 0, "run": {}}, f)
+    os.sync()  # the checkpoint's writeback would otherwise share the memory bus with the measurement
     emit({"copy_bandwidth_bytes_per_second": copy_bandwidth_bytes_per_second()})
 
 
