@@ -69,7 +69,6 @@ def measure_torch(folder, batch, prompt_len, new_tokens):
 
 def measure_reference(folder, batch, prompt_len, new_tokens):
     """The reference's cached decoding: one prefill, then one forward_cached call per token."""
-    import jax
     import jax.numpy as jnp
     from needle.model.architecture import TransformerConfig, precompute_rope_freqs
     from needle.model.decode import _f32, decode_cfg, forward_cached, init_kv_cache

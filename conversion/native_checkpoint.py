@@ -29,7 +29,6 @@ Anything else raises `UnsafeCheckpointError` naming the module and attribute, be
 
 from __future__ import annotations
 
-import io
 import math
 import os
 import pickle

@@ -213,10 +213,15 @@ class NeedleConfig(PretrainedConfig):
         return ENGRAM_CONV_TAPS
 
     @property
+    def engram_conv_reach(self) -> int:
+        """Earlier positions the engram's dilated convolution reads: (taps - 1) * dilation."""
+        return (ENGRAM_CONV_TAPS - 1) * self.engram_conv_dilation
+
+    @property
     def engram_history(self) -> int:
-        """Earlier tokens an engram output depends on: the conv reaches back (taps - 1) * dilation
+        """Earlier tokens an engram output depends on: the conv reaches back `engram_conv_reach`
         positions, and the n-gram hashed there reaches back max(orders) - 1 more."""
-        return (ENGRAM_CONV_TAPS - 1) * self.engram_conv_dilation + max(self.engram_orders) - 1
+        return self.engram_conv_reach + max(self.engram_orders) - 1
 
     @property
     def hadamard_size(self) -> int:

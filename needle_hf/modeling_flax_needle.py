@@ -390,7 +390,7 @@ class FlaxNeedleDecoderLayer(FlaxNeedleBlock):
 class FlaxNeedleEngram(nn.Module):
     """Hashed n-gram memory for one engram site: keys and (dilated-conv) values per position.
 
-    The values convolve the value projections of the last `reach = dilation * (taps - 1)` positions,
+    The values convolve the value projections of the last `config.engram_conv_reach` positions,
     which the caller keeps (the cache does, when decoding), so only new positions are projected.
     """
 
@@ -504,8 +504,8 @@ class FlaxNeedleLayerCollection(nn.Module):
 class FlaxNeedleEngramCollection(nn.Module):
     """Engram sites named "0", "1", ... so parameters read `model.engrams.{s}.*`.
 
-    When decoding with a cache, each site keeps the value projections of the last `reach` positions
-    as `projected_values_{s}` [B, reach, D].
+    When decoding with a cache, each site keeps the value projections of the last
+    `config.engram_conv_reach` positions as `projected_values_{s}` [B, reach, D].
     """
 
     config: NeedleConfig
@@ -515,7 +515,7 @@ class FlaxNeedleEngramCollection(nn.Module):
     def __call__(self, indices, ngram_visible, tap_visible, *, init_cache: bool = False):
         """(keys, values) [sites, B, T, D] for T new positions (inputs as `FlaxNeedleEngram`, without the past)."""
         cfg = self.config
-        shape = (indices.shape[0], cfg.engram_conv_dilation * (cfg.engram_conv_taps - 1), cfg.hidden_size)
+        shape = (indices.shape[0], cfg.engram_conv_reach, cfg.hidden_size)
         keys, values = [], []
         for s in range(len(cfg.engram_layers)):
             name = f"projected_values_{s}"

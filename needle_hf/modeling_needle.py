@@ -469,6 +469,7 @@ class NeedleEngram(nn.Module):
         d = config.hidden_size
         self.num_tables = config.engram_num_tables
         self.dilation = config.engram_conv_dilation
+        self.reach = config.engram_conv_reach
         self.tables = nn.Parameter(torch.zeros(config.engram_num_tables, config.engram_slots, config.engram_sub_dim))
         self.key_proj = nn.Linear(config.engram_dim, d, bias=False)
         self.value_proj = NeedleResidualLinear(config.engram_dim, d, bias=False)
@@ -498,7 +499,7 @@ class NeedleEngram(nn.Module):
         fetched = rows.reshape(batch, length, -1).to(dtype)  # [B, T, engram_dim]
         key = self.key_proj(fetched[:, first_output:])
         # Hidden positions contribute zero to every tap; zeros in front stand for positions before the window.
-        reach = (self.conv_taps.shape[0] - 1) * self.dilation
+        reach = self.reach
         value_rows = self.value_proj(fetched) * visible[..., None].to(dtype)  # [B, T, d]
         value_rows = F.pad(value_rows, (0, 0, reach, 0))  # [B, reach + T, d]
         taps = self.conv_taps.to(dtype)
