@@ -3,6 +3,10 @@
     needle-hf convert SRC OUT_DIR [--tokenizer tokenizer.model] [--dtype float32|bfloat16|float16]
                                   [--overwrite] [--verify-with auto|flax|torch]
     needle-hf export HF_DIR OUT.pkl [--dtype ...] [--overwrite] [--no-verify]
+    needle-hf build HF_DIR OUT.cact [--bits 2|3|4] [--bits-map SPEC] [--lora PEFT_DIR]
+                                    [--tokenizer tokenizer.model|blob.cact] [--no-tokenizer] [--overwrite]
+    needle-hf lora import needle_lora.pkl OUT_DIR --base HF_DIR [--overwrite]
+    needle-hf lora export PEFT_DIR OUT.pkl [--base HF_DIR] [--overwrite]
 
 Progress goes to stderr, the one-line summary to stdout. A problem with the input (a malformed or
 unsafe file, a key or shape mismatch, an existing output) prints `needle-hf <command>: error: ...`
@@ -89,10 +93,101 @@ def _run_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_build_arguments(parser: argparse.ArgumentParser):
+    parser.add_argument("hf_dir", metavar="HF_DIR", help="a saved Hugging Face Needle folder")
+    parser.add_argument("out_path", metavar="OUT.cact", help="the deployment blob to write")
+    parser.add_argument("--bits", type=int, help="CQ width of every quantized matrix: 2, 3 or 4 (default: the "
+                                                 "config's weight_bits map if it has one, else 4)")
+    parser.add_argument("--bits-map", metavar="SPEC",
+                        help='per-tensor widths, e.g. "attn.q_proj=3,engram=2,default=4" (1.58 = ternary)')
+    parser.add_argument("--lora", metavar="PEFT_DIR", help="a PEFT LoRA adapter folder to merge before quantizing")
+    parser.add_argument("--tokenizer", metavar="TOKENIZER",
+                        help="SentencePiece tokenizer.model, or a .cact whose tokenizer to embed (default: "
+                             "HF_DIR/tokenizer.model, else HF_DIR/tokenizer.json)")
+    parser.add_argument("--no-tokenizer", dest="embed_tokenizer", action="store_false",
+                        help="write the blob without the tokenizer record")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing OUT.cact")
+
+
+def _run_build(args: argparse.Namespace) -> int:
+    from needle_hf.conversion.build import build_cact
+
+    result = build_cact(args.hf_dir, args.out_path, bits=args.bits, bits_map=args.bits_map, lora=args.lora,
+                        tokenizer=args.tokenizer, embed_tokenizer=args.embed_tokenizer, overwrite=args.overwrite,
+                        progress=_progress("build"))
+    print(result.summary(), flush=True)
+    return 0
+
+
+def _add_lora_arguments(parser: argparse.ArgumentParser):
+    actions = parser.add_subparsers(dest="lora_action", metavar="ACTION", required=True)
+    to_peft = actions.add_parser("import", help="the reference's needle_lora.pkl -> a PEFT adapter folder")
+    to_peft.add_argument("adapter", metavar="needle_lora.pkl", help="the reference's LoRA adapter")
+    to_peft.add_argument("out_dir", metavar="OUT_DIR", help="the PEFT adapter folder to create")
+    to_peft.add_argument("--base", metavar="HF_DIR", required=True, help="the HF Needle folder the adapter is for")
+    to_peft.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT_DIR")
+    to_peft.set_defaults(lora_run=_run_lora_import)
+    to_native = actions.add_parser("export", help="a PEFT adapter folder -> the reference's adapter pickle")
+    to_native.add_argument("peft_dir", metavar="PEFT_DIR", help="a PEFT LoRA adapter folder")
+    to_native.add_argument("out_path", metavar="OUT.pkl", help="the reference-format adapter to write")
+    to_native.add_argument("--base", metavar="HF_DIR",
+                           help="the HF Needle folder the adapter is for (default: the adapter's "
+                                "base_model_name_or_path, when that is a local folder)")
+    to_native.add_argument("--overwrite", action="store_true", help="replace an existing OUT.pkl")
+    to_native.set_defaults(lora_run=_run_lora_export)
+
+
+def _run_lora(args: argparse.Namespace) -> int:
+    return args.lora_run(args)
+
+
+def _run_lora_import(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from needle_hf.conversion.export import read_hf_config
+    from needle_hf.conversion.lora import read_native_adapter, write_peft_adapter
+
+    config = read_hf_config(Path(args.base))
+    adapter = read_native_adapter(args.adapter, config)
+    out_dir = write_peft_adapter(args.out_dir, adapter, config, base_model=str(Path(args.base).absolute()),
+                                 overwrite=args.overwrite)
+    print(f"wrote {out_dir}: rank-{adapter.rank} LoRA on {', '.join(adapter.pairs)}, scale {adapter.scale:g}", flush=True)
+    return 0
+
+
+def _run_lora_export(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from needle_hf.conversion.export import read_hf_config
+    from needle_hf.conversion.lora import ADAPTER_CONFIG_NAME, AdapterError, read_peft_adapter, write_native_adapter
+
+    out_path = Path(args.out_path)
+    if out_path.exists() and (out_path.is_dir() or not args.overwrite):
+        raise AdapterError(f"{out_path} exists; pass --overwrite to replace it")
+    base = args.base
+    if base is None:
+        settings = Path(args.peft_dir) / ADAPTER_CONFIG_NAME
+        recorded = json.loads(settings.read_text(encoding="utf-8")).get("base_model_name_or_path") if settings.is_file() else None
+        if not recorded or not (Path(recorded) / "config.json").is_file():
+            raise AdapterError(f"{args.peft_dir}: base_model_name_or_path {recorded!r} is not a local HF folder; "
+                               "pass --base HF_DIR")
+        base = recorded
+    config = read_hf_config(Path(base))
+    adapter = read_peft_adapter(args.peft_dir, config)
+    adapter.metadata["base"] = str(Path(base).absolute())
+    write_native_adapter(out_path, adapter)
+    print(f"wrote {out_path}: rank-{adapter.rank} LoRA on {', '.join(adapter.pairs)}, scale {adapter.scale:g}", flush=True)
+    return 0
+
+
 # name -> (help, add arguments, run)
 COMMANDS = {
     "convert": ("convert a native .pkl or a .cact into a Hugging Face folder", _add_convert_arguments, _run_convert),
     "export": ("convert a Hugging Face Needle folder back into a native .pkl", _add_export_arguments, _run_export),
+    "build": ("quantize a Hugging Face Needle folder (and a LoRA adapter) into a .cact for the engine",
+              _add_build_arguments, _run_build),
+    "lora": ("convert LoRA adapters between the reference's .pkl and PEFT", _add_lora_arguments, _run_lora),
     "push": ("push a Hugging Face Needle folder to the Hub (model card included)", hub.add_push_arguments, hub.run_push),
 }
 

@@ -1,0 +1,153 @@
+"""`needle-hf build`: a Hugging Face Needle folder (optionally + a PEFT LoRA adapter) -> a `.cact`.
+
+Writes what the reference's `needle build` writes for the same weights and tokenizer, byte for
+byte, without the reference:
+
+1. `config.json` and the safetensors weights are read and checked strictly (`export.read_hf_tensors`),
+   then re-stacked into the native tree (`weight_names.hf_to_native`).
+2. With `lora`, a PEFT LoRA folder is merged the way the reference merges its own adapters
+   (`lora.merge_into_native`: W + scale * A @ B on the native (in, out) kernels).
+3. The quantization scheme: `bits_map`, else `bits`, else the config's `weight_bits` map (what the
+   model was post-trained for), else CQ 4-bit, as the reference decides it.
+4. The tokenizer to embed: `tokenizer` (a SentencePiece `.model` or a `.cact` whose tokenizer to
+   reuse), else `HF_DIR/tokenizer.model`, else the folder's `tokenizer.json` (`piece_table`).
+5. `cact_writer.cact_bytes` with the deployment KV window (`deployment_kv_window`), written to a
+   temporary file that is read back with `cact.read_cact` before it is renamed to OUT.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from needle_hf.tokenization_needle import PieceTable
+from needle_hf.weight_names import hf_to_native
+
+from . import quantize
+from .cact import CACT_TAG, read_cact
+from .cact_writer import CactWriteError, cact_bytes, deployment_kv_window, write_atomically
+from .export import read_hf_config, read_hf_tensors
+from .lora import merge_into_native, read_peft_adapter
+from .piece_table import piece_table_from_tokenizer_json
+
+SENTENCEPIECE_NAME = "tokenizer.model"
+TOKENIZER_JSON_NAME = "tokenizer.json"
+BUILD_BITS = (2, 3, 4)
+
+Progress = Callable[[str], None]
+
+
+@dataclass
+class BuildResult:
+    out_path: Path
+    records: int
+    bytes: int
+    scheme: str
+    kv_window: int
+    tokenizer: str
+    seconds: float
+
+    def summary(self) -> str:
+        return (f"wrote {self.out_path}: {self.records} records, {self.bytes:,} bytes, {self.scheme}, "
+                f"kv_window {self.kv_window}, tokenizer {self.tokenizer}, {self.seconds:.1f} s")
+
+
+def resolve_scheme(config, *, bits: int | None, bits_map: str | None) -> tuple[int | float, str | None, str]:
+    """(bits, bits_map, description): the explicit choice, else the config's `weight_bits` map, else CQ 4-bit."""
+    if bits is not None and bits_map:
+        raise CactWriteError("give --bits or --bits-map, not both (a bits map sets every width, default included)")
+    if bits is not None and bits not in BUILD_BITS:
+        raise CactWriteError(f"--bits {bits}, expected one of {', '.join(map(str, BUILD_BITS))} "
+                             f"(ternary: --bits-map default={quantize.TERNARY_BITS})")
+    if bits is None and not bits_map and config.weight_bits:
+        bits_map = config.weight_bits
+    if bits_map:
+        quantize.parse_bits_map(bits_map)  # refuses a malformed map before any work
+        return 4, bits_map, f"CQ mixed[{bits_map}]"
+    bits = 4 if bits is None else bits
+    return bits, None, f"CQ W{bits}"
+
+
+def _tokenizer_table(hf_dir: Path, tokenizer) -> tuple[PieceTable, str]:
+    if tokenizer is not None:
+        path = Path(tokenizer)
+        if not path.is_file():
+            raise FileNotFoundError(f"no tokenizer file at {path}")
+        with open(path, "rb") as handle:
+            is_blob = handle.read(4) == CACT_TAG.to_bytes(4, "little")
+        if is_blob:
+            table = read_cact(path).tokenizer_table
+            if table is None:
+                raise CactWriteError(f"{path}: this .cact has no embedded tokenizer")
+            return PieceTable.from_mapping(table), path.name
+        return PieceTable.from_sentencepiece(str(path)), path.name
+    if (hf_dir / SENTENCEPIECE_NAME).is_file():
+        return PieceTable.from_sentencepiece(str(hf_dir / SENTENCEPIECE_NAME)), SENTENCEPIECE_NAME
+    if (hf_dir / TOKENIZER_JSON_NAME).is_file():
+        return piece_table_from_tokenizer_json(hf_dir / TOKENIZER_JSON_NAME), TOKENIZER_JSON_NAME
+    raise CactWriteError(f"{hf_dir} has no {SENTENCEPIECE_NAME} or {TOKENIZER_JSON_NAME}; pass --tokenizer "
+                         "tokenizer.model (or --no-tokenizer for a blob without one)")
+
+
+def build_cact(
+    hf_dir,
+    out_path,
+    *,
+    bits: int | None = None,
+    bits_map: str | None = None,
+    lora=None,
+    tokenizer=None,
+    embed_tokenizer: bool = True,
+    overwrite: bool = False,
+    progress: Progress | None = None,
+) -> BuildResult:
+    """Write the `.cact` of an HF Needle folder (see the module docstring).
+
+    Args:
+        hf_dir: the HF folder (config.json + model.safetensors).
+        out_path: the `.cact` to write (its parent must exist).
+        bits: CQ width 2, 3 or 4 for every quantized matrix.
+        bits_map: per-tensor widths, "prefix=bits,...,default=bits" (1.58 = ternary).
+        lora: a PEFT LoRA adapter folder to merge first.
+        tokenizer: a SentencePiece `.model` or a `.cact` to take the tokenizer from.
+        embed_tokenizer: False writes a blob without the RAW tokenizer record.
+        overwrite: replace an existing `out_path`.
+        progress: called with one line per step.
+    """
+    started = time.perf_counter()
+    progress = progress or (lambda _: None)
+    hf_dir, out_path = Path(hf_dir), Path(out_path).absolute()
+    if not hf_dir.is_dir():
+        raise CactWriteError(f"{hf_dir} is not a folder; expected a saved Hugging Face Needle folder")
+    if out_path.exists() and (out_path.is_dir() or not overwrite):
+        raise CactWriteError(f"{out_path} is a folder; give the path of the .cact to write" if out_path.is_dir()
+                             else f"{out_path} exists; pass --overwrite to replace it")
+    if not out_path.parent.is_dir():
+        raise CactWriteError(f"the parent folder of {out_path} does not exist; create it first")
+
+    progress(f"reading {hf_dir}")
+    config = read_hf_config(hf_dir)
+    bits, bits_map, scheme = resolve_scheme(config, bits=bits, bits_map=bits_map)
+    table, tokenizer_source = _tokenizer_table(hf_dir, tokenizer) if embed_tokenizer else (None, "none")
+    params = hf_to_native(read_hf_tensors(hf_dir, config), config)
+    if lora is not None:
+        progress(f"merging the LoRA adapter {lora}")
+        adapter = read_peft_adapter(lora, config)
+        params = merge_into_native(params, adapter)
+        progress(f"merged rank-{adapter.rank} LoRA (scale {adapter.scale:g}) into {', '.join(adapter.pairs)}")
+    kv_window = deployment_kv_window(config)
+    progress(f"quantizing: {scheme}, kv_window {kv_window}, tokenizer from {tokenizer_source}")
+    data = cact_bytes(params, config, bits=bits, bits_map=bits_map, tokenizer=table, kv_window=kv_window)
+    del params
+    progress(f"writing {out_path} ({len(data):,} bytes) and reading it back")
+    staging = out_path.with_name(f".{out_path.name}.check.partial")
+    write_atomically(staging, data)
+    try:
+        records = len(read_cact(staging).records)
+        staging.replace(out_path)
+    except BaseException:
+        staging.unlink(missing_ok=True)
+        raise
+    return BuildResult(out_path, records, len(data), scheme, kv_window, tokenizer_source, time.perf_counter() - started)
