@@ -7,8 +7,10 @@ byte, without the reference:
    then re-stacked into the native tree (`weight_names.hf_to_native`).
 2. With `lora`, a PEFT LoRA folder is merged the way the reference merges its own adapters
    (`lora.merge_into_native`: W + scale * A @ B on the native (in, out) kernels).
-3. The quantization scheme: `bits_map`, else `bits`, else the config's `weight_bits` map (what the
-   model was post-trained for), else CQ 4-bit, as the reference decides it.
+3. The quantization scheme, as the reference decides it: the one a LoRA adapter was trained for
+   with QAT (`qat_bits_map` / `qat_bits`; an explicit different choice is refused), else
+   `bits_map`, else `bits`, else the config's `weight_bits` map (what the model was post-trained
+   for), else CQ 4-bit.
 4. The tokenizer to embed: `tokenizer` (a SentencePiece `.model` or a `.cact` whose tokenizer to
    reuse), else `HF_DIR/tokenizer.model`, else the folder's `tokenizer.json` (`piece_table`).
 5. `cact_writer.cact_bytes` with the deployment KV window (`deployment_kv_window`), written to a
@@ -70,6 +72,24 @@ def resolve_scheme(config, *, bits: int | None, bits_map: str | None) -> tuple[i
     return bits, None, f"CQ W{bits}"
 
 
+def _adapter_scheme(adapter, *, bits, bits_map, where) -> tuple[int | None, str | None]:
+    """The scheme a QAT-trained adapter requires; an explicit different one would deploy other numerics."""
+    trained_map, trained_bits = adapter.metadata.get("qat_bits_map"), adapter.metadata.get("qat_bits")
+    if trained_map is not None:
+        if bits is not None or (bits_map and bits_map != trained_map):
+            asked = f"--bits {bits}" if bits is not None else f"--bits-map {bits_map}"
+            raise CactWriteError(f"{where} was trained (QAT) for the bits map {trained_map!r}; {asked} would deploy "
+                                 "numerics it was never trained for")
+        return None, trained_map
+    if trained_bits is not None:
+        if bits_map or (bits is not None and bits != trained_bits):
+            asked = f"--bits {bits}" if bits is not None else f"--bits-map {bits_map}"
+            raise CactWriteError(f"{where} was trained (QAT) for CQ W{trained_bits}; {asked} would deploy numerics "
+                                 "it was never trained for; build at its width")
+        return trained_bits, None
+    return bits, bits_map
+
+
 def _tokenizer_table(hf_dir: Path, tokenizer) -> tuple[PieceTable, str]:
     if tokenizer is not None:
         path = Path(tokenizer)
@@ -129,14 +149,16 @@ def build_cact(
 
     progress(f"reading {hf_dir}")
     config = read_hf_config(hf_dir)
+    adapter = None if lora is None else read_peft_adapter(lora, config)
+    if adapter is not None:
+        bits, bits_map = _adapter_scheme(adapter, bits=bits, bits_map=bits_map, where=lora)
     bits, bits_map, scheme = resolve_scheme(config, bits=bits, bits_map=bits_map)
     table, tokenizer_source = _tokenizer_table(hf_dir, tokenizer) if embed_tokenizer else (None, "none")
     params = hf_to_native(read_hf_tensors(hf_dir, config), config)
-    if lora is not None:
-        progress(f"merging the LoRA adapter {lora}")
-        adapter = read_peft_adapter(lora, config)
+    if adapter is not None:
         params = merge_into_native(params, adapter)
-        progress(f"merged rank-{adapter.rank} LoRA (scale {adapter.scale:g}) into {', '.join(adapter.pairs)}")
+        progress(f"merged the rank-{adapter.rank} LoRA adapter {lora} (scale {adapter.scale:g}) into "
+                 f"{', '.join(adapter.pairs)}")
     kv_window = deployment_kv_window(config)
     progress(f"quantizing: {scheme}, kv_window {kv_window}, tokenizer from {tokenizer_source}")
     data = cact_bytes(params, config, bits=bits, bits_map=bits_map, tokenizer=table, kv_window=kv_window)

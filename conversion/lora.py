@@ -13,6 +13,12 @@ A_t = A[i].T and B_t = B[i].T. In the HF model the five projections are
 `model.layers.{i}.self_attn.{q,k,v,gate,o}_proj` (`PEFT_TARGET_MODULES`: backbone layers only; the
 MTP block has projections of the same names, which the reference never adapts).
 
+The reference's adapter also records the quantization it was trained for (`qat_bits`, or the
+`qat_bits_map` of mixed precision), which `needle build --lora` then deploys and refuses to
+override. PEFT's config has no place for it, so the PEFT folder carries it beside the adapter in
+`needle_adapter.json` (with `seed`); `read_peft_adapter` reads it back and `needle-hf build --lora`
+applies the same rule.
+
 Adapters are read with the restricted unpickler of `native_checkpoint` (a pickle can run code) and
 written as plain pickles of numpy arrays, which the reference's `needle build --lora` loads.
 """
@@ -42,6 +48,9 @@ NATIVE_KERNEL_PATH = "stack/layers/block/self_attn/{}/kernel"
 PEFT_TARGET_MODULES = r"model\.layers\.\d+\.self_attn\.(q_proj|k_proj|v_proj|gate_proj|o_proj)"
 ADAPTER_CONFIG_NAME = "adapter_config.json"
 ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
+# The reference's training metadata that PEFT's config cannot hold.
+NEEDLE_METADATA_NAME = "needle_adapter.json"
+NEEDLE_METADATA_KEYS = ("qat_bits", "qat_bits_map", "seed")
 # How PEFT names a saved LoRA tensor of the wrapped causal LM.
 _PEFT_KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.self_attn\.(\w+)\.lora_([AB])\.weight$")
 _NATIVE_KERNEL = re.compile(r"^stack/layers/block/self_attn/(\w+)/kernel$")
@@ -124,7 +133,8 @@ def read_native_adapter(path, config=None) -> NativeAdapter:
     rank = ranks.pop()
     if payload.get("rank") not in (None, rank):
         raise AdapterError(f"{path}: 'rank' says {payload['rank']}, the A/B matrices have rank {rank}")
-    adapter = NativeAdapter(pairs, float(scale), rank, {k: payload.get(k) for k in ("base", "qat_bits", "qat_bits_map", "seed")})
+    adapter = NativeAdapter(pairs, float(scale), rank, {k: payload.get(k) for k in ("base", *NEEDLE_METADATA_KEYS)})
+    _check_qat_metadata(adapter.metadata, path)
     if config is not None:
         for name, (a, b) in pairs.items():
             _check_pair(f"{path}: {NATIVE_KERNEL_PATH.format(name)}", a, b, config, name, rank)
@@ -264,7 +274,20 @@ def read_peft_adapter(folder, config) -> NativeAdapter:
         pairs[name] = (a, b)
     if not pairs:
         raise AdapterError(f"{weights}: no LoRA tensors")
-    return NativeAdapter(pairs, scale, rank)
+    metadata = {}
+    if (folder / NEEDLE_METADATA_NAME).is_file():
+        recorded = _read_json(folder / NEEDLE_METADATA_NAME)
+        metadata = {key: recorded.get(key) for key in NEEDLE_METADATA_KEYS}
+        _check_qat_metadata(metadata, folder / NEEDLE_METADATA_NAME)
+    return NativeAdapter(pairs, scale, rank, metadata)
+
+
+def _check_qat_metadata(metadata: dict, where):
+    bits, bits_map = metadata.get("qat_bits"), metadata.get("qat_bits_map")
+    if bits is not None and (isinstance(bits, bool) or bits not in (2, 3, 4)):
+        raise AdapterError(f"{where}: qat_bits {bits!r}, expected 2, 3, 4 or null")
+    if bits_map is not None and not isinstance(bits_map, str):
+        raise AdapterError(f"{where}: qat_bits_map {bits_map!r}, expected a bits-map string or null")
 
 
 def write_peft_adapter(out_dir, adapter: NativeAdapter, config, *, base_model: str, overwrite: bool = False) -> Path:
@@ -306,6 +329,8 @@ def write_peft_adapter(out_dir, adapter: NativeAdapter, config, *, base_model: s
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".partial", dir=out_dir.parent))
     try:
         save_file(tensors, str(staging / ADAPTER_WEIGHTS_NAME), metadata={"format": "pt"})
+        needle_metadata = {key: adapter.metadata.get(key) for key in NEEDLE_METADATA_KEYS}
+        (staging / NEEDLE_METADATA_NAME).write_text(json.dumps(needle_metadata, indent=2) + "\n", encoding="utf-8")
         (staging / ADAPTER_CONFIG_NAME).write_text(json.dumps(settings, indent=2) + "\n", encoding="utf-8")
         _publish(staging, out_dir)
     except BaseException:

@@ -206,3 +206,25 @@ def test_unsafe_or_malformed_adapter_pickles_are_refused(params, hf_dir, tmp_pat
     assert "A (3, 64, 5) and B (3, 4, 64)" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
     assert json.loads((hf_dir / "config.json").read_text())["model_type"] == "needle2"
+
+
+def test_qat_scheme_of_the_adapter_is_deployed_and_kept(params, hf_dir, needle_spm_model, tmp_path, capsys):
+    from needle.model.architecture import effective_kv_window
+    from needle.model.export import write_export
+    from needle.model.tokenizer import SANTokenizer
+
+    adapter = dict(_reference_adapter(params, kernels=("q_proj", "out_proj"), seed=4), qat_bits=2)
+    (tmp_path / "qat.pkl").write_bytes(pickle.dumps(adapter))
+    assert main(["lora", "import", str(tmp_path / "qat.pkl"), str(tmp_path / "peft"), "--base", str(hf_dir)]) == 0
+    # Built at the width it was trained for, as the reference's build does it.
+    assert main(["build", str(hf_dir), str(tmp_path / "ours.cact"), "--lora", str(tmp_path / "peft")]) == 0
+    config = reference_config(CONFIG)
+    write_export(_reference_merge(params, adapter), config, str(tmp_path / "reference.cact"), bits=2,
+                 tokenizer=SANTokenizer(str(needle_spm_model)), kv_window=effective_kv_window(config))
+    assert (tmp_path / "ours.cact").read_bytes() == (tmp_path / "reference.cact").read_bytes()
+    assert main(["build", str(hf_dir), str(tmp_path / "w4.cact"), "--lora", str(tmp_path / "peft"), "--bits", "4"]) == 1
+    assert "trained (QAT) for CQ W2; --bits 4" in capsys.readouterr().err
+    assert not (tmp_path / "w4.cact").exists()
+    assert main(["lora", "export", str(tmp_path / "peft"), str(tmp_path / "back.pkl"), "--base", str(hf_dir)]) == 0
+    back = pickle.loads((tmp_path / "back.pkl").read_bytes())
+    assert (back["qat_bits"], back["qat_bits_map"], back["seed"]) == (2, None, 4)
