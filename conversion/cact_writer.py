@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import struct
 import uuid
 from pathlib import Path
 

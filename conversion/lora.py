@@ -27,17 +27,16 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import pickle
 import re
 import shutil
 import tempfile
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from .cact_writer import write_atomically
 from .convert import _publish
 from .native_checkpoint import WRITE_PROTOCOL, CheckpointFormatError, _unpickle
 
@@ -153,16 +152,7 @@ def write_native_adapter(path, adapter: NativeAdapter) -> Path:
         "qat_bits_map": adapter.metadata.get("qat_bits_map"),
         "seed": adapter.metadata.get("seed"),
     }
-    path = Path(path)
-    staging = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.partial")
-    try:
-        with open(staging, "xb") as handle:
-            pickle.dump(payload, handle, protocol=WRITE_PROTOCOL)
-        os.replace(staging, path)
-    except BaseException:
-        staging.unlink(missing_ok=True)
-        raise
-    return path
+    return write_atomically(path, pickle.dumps(payload, protocol=WRITE_PROTOCOL))
 
 
 def merge_into_native(params: dict, adapter: NativeAdapter) -> dict:
