@@ -183,3 +183,36 @@ def test_tokenizer_json_with_reordered_merges_asks_for_the_model(plain_hf_dir, t
     assert main(["build", str(folder), str(tmp_path / "out.cact")]) == 1
     assert "pass the original tokenizer.model with --tokenizer" in capsys.readouterr().err
     assert not (tmp_path / "out.cact").exists()
+
+
+def test_bfloat16_folder_builds_what_the_reference_builds_from_bfloat16_weights(tmp_path, plain_params, needle_spm_model,
+                                                                                  reference_tokenizer):
+    import ml_dtypes
+
+    checkpoint = tmp_path / "native.pkl"
+    write_native_checkpoint(checkpoint, plain_params, PLAIN_CONFIG)
+    assert main(["convert", str(checkpoint), str(tmp_path / "hf"), "--tokenizer", str(needle_spm_model),
+                 "--dtype", "bfloat16"]) == 0
+    rounded = _cast_tree(plain_params, ml_dtypes.bfloat16)
+    reference = _reference_blob(tmp_path / "reference.cact", rounded, PLAIN_CONFIG, reference_tokenizer, bits=3)
+    assert _build(tmp_path / "hf", tmp_path / "ours.cact", "--bits", 3) == reference
+
+
+def _cast_tree(tree, dtype):
+    return {k: _cast_tree(v, dtype) if isinstance(v, dict) else np.asarray(v).astype(dtype) for k, v in tree.items()}
+
+
+@pytest.mark.full_size
+def test_needle2_geometry_builds_byte_for_byte(tmp_path):
+    from needle_reference import BASE_NATIVE_CONFIG
+
+    params = make_native_params(BASE_NATIVE_CONFIG, seed=8, with_heads=True)
+    checkpoint = tmp_path / "native.pkl"
+    write_native_checkpoint(checkpoint, params, BASE_NATIVE_CONFIG)
+    assert main(["convert", str(checkpoint), str(tmp_path / "hf")]) == 0
+    checkpoint.unlink()
+    reference = _reference_blob(tmp_path / "reference.cact", params, BASE_NATIVE_CONFIG, None, bits=4)
+    del params
+    assert _build(tmp_path / "hf", tmp_path / "ours.cact", "--no-tokenizer") == reference
+    geometry, _ = read_cact_tensors(tmp_path / "ours.cact")
+    assert geometry.kv_window == 704  # the 11.5 MB KV budget at the Needle 2 geometry
