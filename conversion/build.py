@@ -5,7 +5,7 @@ byte, without the reference:
 
 1. `config.json` and the safetensors weights are read and checked strictly (`export.read_hf_tensors`),
    then re-stacked into the native tree (`weight_names.hf_to_native`).
-2. With `lora`, a PEFT LoRA folder is merged the way the reference merges its own adapters
+2. With `lora`, a PEFT LoRA folder (or the reference's own `needle_lora.pkl`) is merged the way the reference merges its own adapters
    (`lora.merge_into_native`: W + scale * A @ B on the native (in, out) kernels).
 3. The quantization scheme, as the reference decides it: the one a LoRA adapter was trained for
    with QAT (`qat_bits_map` / `qat_bits`; an explicit different choice is refused), else
@@ -31,7 +31,7 @@ from . import quantize
 from .cact import CACT_TAG, read_cact
 from .cact_writer import CactWriteError, cact_bytes, deployment_kv_window, write_atomically
 from .export import read_hf_config, read_hf_tensors
-from .lora import merge_into_native, read_peft_adapter
+from .lora import merge_into_native, read_native_adapter, read_peft_adapter
 from .piece_table import piece_table_from_tokenizer_json
 
 SENTENCEPIECE_NAME = "tokenizer.model"
@@ -130,7 +130,7 @@ def build_cact(
         out_path: the `.cact` to write (its parent must exist).
         bits: CQ width 2, 3 or 4 for every quantized matrix.
         bits_map: per-tensor widths, "prefix=bits,...,default=bits" (1.58 = ternary).
-        lora: a PEFT LoRA adapter folder to merge first.
+        lora: a PEFT LoRA adapter folder, or a reference `needle_lora.pkl`, to merge first.
         tokenizer: a SentencePiece `.model` or a `.cact` to take the tokenizer from.
         embed_tokenizer: False writes a blob without the RAW tokenizer record.
         overwrite: replace an existing `out_path`.
@@ -149,7 +149,9 @@ def build_cact(
 
     progress(f"reading {hf_dir}")
     config = read_hf_config(hf_dir)
-    adapter = None if lora is None else read_peft_adapter(lora, config)
+    adapter = None
+    if lora is not None:
+        adapter = read_native_adapter(lora, config) if Path(lora).is_file() else read_peft_adapter(lora, config)
     if adapter is not None:
         bits, bits_map = _adapter_scheme(adapter, bits=bits, bits_map=bits_map, where=lora)
     bits, bits_map, scheme = resolve_scheme(config, bits=bits, bits_map=bits_map)

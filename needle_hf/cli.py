@@ -3,7 +3,7 @@
     needle-hf convert SRC OUT_DIR [--tokenizer tokenizer.model] [--dtype float32|bfloat16|float16]
                                   [--overwrite] [--verify-with auto|flax|torch]
     needle-hf export HF_DIR OUT.pkl [--dtype ...] [--overwrite] [--no-verify]
-    needle-hf build HF_DIR OUT.cact [--bits 2|3|4] [--bits-map SPEC] [--lora PEFT_DIR]
+    needle-hf build HF_DIR OUT.cact [--bits 2|3|4] [--bits-map SPEC] [--lora PEFT_DIR|needle_lora.pkl]
                                     [--tokenizer tokenizer.model|blob.cact] [--no-tokenizer] [--overwrite]
     needle-hf lora import needle_lora.pkl OUT_DIR --base HF_DIR [--overwrite]
     needle-hf lora export PEFT_DIR OUT.pkl [--base HF_DIR] [--overwrite]
@@ -100,7 +100,7 @@ def _add_build_arguments(parser: argparse.ArgumentParser):
                                                  "config's weight_bits map if it has one, else 4)")
     parser.add_argument("--bits-map", metavar="SPEC",
                         help='per-tensor widths, e.g. "attn.q_proj=3,engram=2,default=4" (1.58 = ternary)')
-    parser.add_argument("--lora", metavar="PEFT_DIR", help="a PEFT LoRA adapter folder to merge before quantizing")
+    parser.add_argument("--lora", metavar="PEFT_DIR", help="a PEFT LoRA adapter folder (or the reference's needle_lora.pkl) to merge before quantizing")
     parser.add_argument("--tokenizer", metavar="TOKENIZER",
                         help="SentencePiece tokenizer.model, or a .cact whose tokenizer to embed (default: "
                              "HF_DIR/tokenizer.model, else HF_DIR/tokenizer.json)")

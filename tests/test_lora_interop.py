@@ -173,6 +173,9 @@ def test_build_with_lora_equals_the_reference_build(imported, params, hf_dir, ne
     write_export(_reference_merge(params, adapter), config, str(tmp_path / "reference.cact"), bits=4,
                  tokenizer=SANTokenizer(str(needle_spm_model)), kv_window=effective_kv_window(config))
     assert (tmp_path / "ours.cact").read_bytes() == (tmp_path / "reference.cact").read_bytes()
+    # The reference's adapter file merges the same way.
+    assert main(["build", str(hf_dir), str(tmp_path / "from_pkl.cact"), "--lora", str(folder / "needle_lora.pkl")]) == 0
+    assert (tmp_path / "from_pkl.cact").read_bytes() == (tmp_path / "reference.cact").read_bytes()
 
 
 def test_mtp_block_lora_is_refused_naming_the_tensor(hf_dir, tmp_path, capsys):
