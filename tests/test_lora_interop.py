@@ -231,3 +231,21 @@ def test_qat_scheme_of_the_adapter_is_deployed_and_kept(params, hf_dir, needle_s
     assert main(["lora", "export", str(tmp_path / "peft"), str(tmp_path / "back.pkl"), "--base", str(hf_dir)]) == 0
     back = pickle.loads((tmp_path / "back.pkl").read_bytes())
     assert (back["qat_bits"], back["qat_bits_map"], back["seed"]) == (2, None, 4)
+
+
+def test_reference_build_accepts_the_exported_adapter_and_writes_our_build(hf_dir, needle_spm_model, tmp_path,
+                                                                            monkeypatch):
+    """`needle build base.pkl --lora exported.pkl` (the reference's own command) == `needle-hf build --lora PEFT_DIR`."""
+    import argparse
+
+    from needle.model import finetune
+    from needle.model.tokenizer import SANTokenizer
+
+    _trained_peft_folder(hf_dir, tmp_path / "peft")
+    assert main(["lora", "export", str(tmp_path / "peft"), str(tmp_path / "needle_lora.pkl")]) == 0
+    # The reference fetches its tokenizer from the Hub; hand it the session's model instead.
+    monkeypatch.setattr(finetune, "get_tokenizer", lambda vocab_size=None: SANTokenizer(str(needle_spm_model)))
+    finetune.build_main(argparse.Namespace(checkpoint=str(hf_dir.parent / "base.pkl"), lora=str(tmp_path / "needle_lora.pkl"),
+                                           out=str(tmp_path / "reference.cact"), bits=None, upload=False))
+    assert main(["build", str(hf_dir), str(tmp_path / "ours.cact"), "--lora", str(tmp_path / "peft")]) == 0
+    assert (tmp_path / "ours.cact").read_bytes() == (tmp_path / "reference.cact").read_bytes()
