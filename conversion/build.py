@@ -166,12 +166,6 @@ def build_cact(
     data = cact_bytes(params, config, bits=bits, bits_map=bits_map, tokenizer=table, kv_window=kv_window)
     del params
     progress(f"writing {out_path} ({len(data):,} bytes) and reading it back")
-    staging = out_path.with_name(f".{out_path.name}.check.partial")
-    write_atomically(staging, data)
-    try:
-        records = len(read_cact(staging).records)
-        staging.replace(out_path)
-    except BaseException:
-        staging.unlink(missing_ok=True)
-        raise
-    return BuildResult(out_path, records, len(data), scheme, kv_window, tokenizer_source, time.perf_counter() - started)
+    records = []
+    write_atomically(out_path, data, check=lambda staged: records.extend(read_cact(staged).records))
+    return BuildResult(out_path, len(records), len(data), scheme, kv_window, tokenizer_source, time.perf_counter() - started)

@@ -260,8 +260,12 @@ def cact_bytes(params: dict, config, *, bits=4, bits_map: str | None = None, gro
     return bytes(out)
 
 
-def write_atomically(path, data: bytes) -> Path:
-    """Write `data` to `path` through a temporary file beside it: `path` is either untouched or complete."""
+def write_atomically(path, data: bytes, *, check=None) -> Path:
+    """Write `data` to `path` through a temporary file beside it: `path` is either untouched or complete.
+
+    `check`, if given, is called with the temporary file's path before it replaces `path`; an
+    exception from it leaves `path` untouched.
+    """
     path = Path(path)
     staging = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.partial")
     try:
@@ -269,6 +273,8 @@ def write_atomically(path, data: bytes) -> Path:
             handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
+        if check is not None:
+            check(staging)
         os.replace(staging, path)
     except BaseException:
         staging.unlink(missing_ok=True)
