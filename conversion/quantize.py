@@ -14,10 +14,10 @@ deterministically: 400,000 samples of the legacy `RandomState(0)` Gaussian, sort
 the sample quantiles (k + 1/2) / levels, then 200 rounds of "boundaries at the midpoints, levels at
 the mean of their cell" in float64. Ternary (3 levels) uses the analytic {-c, 0, +c}, c = 1.2240064.
 
-Every step is float32 numpy in the order written above, on arrays laid out as the reference's
-exporter lays them out: numpy's matmul takes a BLAS path only for unit-stride operands, so the
-same numbers in another memory layout can round differently (see `cact_writer`). That is what
-makes the packed indices and norms equal the reference's byte for byte.
+Every step is float32 numpy in the order written above (the same products and sums, so the same
+roundings), on arrays laid out as the reference's exporter lays them out (see `cact_writer`), so
+that no stride-dependent kernel choice can round differently. That is what makes the packed
+indices and norms equal the reference's byte for byte.
 
 Mixed precision ("bits maps") names tensors by a canonical prefix (`attn.q_proj`, `engram0.tables`,
 `embedding`, `mhc_phi_pre`, ...); see `parse_bits_map`.
