@@ -216,3 +216,11 @@ def test_needle2_geometry_builds_byte_for_byte(tmp_path):
     assert _build(tmp_path / "hf", tmp_path / "ours.cact", "--no-tokenizer") == reference
     geometry, _ = read_cact_tensors(tmp_path / "ours.cact")
     assert geometry.kv_window == 704  # the 11.5 MB KV budget at the Needle 2 geometry
+
+
+@pytest.mark.parametrize("head", HEADS)
+def test_build_with_one_head(head, tmp_path_factory, params, needle_spm_model, reference_tokenizer, tmp_path):
+    one_head = {key: value for key, value in params.items() if key not in set(HEADS) - {head}}
+    folder = _convert(tmp_path_factory, PLAIN_CONFIG, one_head, needle_spm_model, head)
+    ours = _build(folder, tmp_path / "ours.cact", "--bits", 4)
+    assert ours == _reference_blob(tmp_path / "reference.cact", one_head, PLAIN_CONFIG, reference_tokenizer, bits=4)
