@@ -28,7 +28,7 @@ from huggingface_hub import HfApi
 
 from . import __version__
 from .configuration_needle import NeedleConfig
-from .conversion.export import check_names_and_shapes, read_hf_config, weight_files
+from .conversion.export import check_names_and_shapes, read_hf_config, safetensors_layout, weight_files
 from .model_card import folder_model_card
 from .remote_code import AUTO_MAP, remote_code_files
 
@@ -45,18 +45,6 @@ class PushError(ValueError):
     """The folder is not a complete Needle folder, or the push target is invalid; nothing was uploaded."""
 
 
-def _tensor_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
-    """Tensor name -> shape over the folder's weight files, from the safetensors headers only."""
-    from safetensors import safe_open
-
-    shapes = {}
-    for path in weight_files(folder):
-        with safe_open(str(path), framework="numpy") as handle:
-            for name in handle.keys():
-                shapes[name] = tuple(handle.get_slice(name).get_shape())
-    return shapes
-
-
 def check_folder(folder: str | os.PathLike) -> NeedleConfig:
     """Check that `folder` is a complete Needle folder; return its config.
 
@@ -70,7 +58,7 @@ def check_folder(folder: str | os.PathLike) -> NeedleConfig:
     if not folder.is_dir():
         raise PushError(f"{folder} is not a folder; expected a saved Hugging Face Needle folder")
     config = read_hf_config(folder)
-    check_names_and_shapes(_tensor_shapes(folder), config, where=str(folder))
+    check_names_and_shapes(safetensors_layout(weight_files(folder))[0], config, where=str(folder))
     auto_map = json.loads((folder / "config.json").read_text(encoding="utf-8")).get("auto_map") or {}
     absent = [auto_class for auto_class in REQUIRED_AUTO_CLASSES if auto_class not in auto_map]
     if absent:
