@@ -65,9 +65,9 @@ def _hub_failure(error: Exception, *, endpoint: str, repo_id: str, revision: str
     elif status in (401, 403):
         advice = (f"the Hub refused the credentials (HTTP {status}); log in with `hf auth login` or set HF_TOKEN "
                   "to a token with write access to this repository")
-    elif isinstance(error, HfHubHTTPError) and status is not None:
+    elif isinstance(error, HfHubHTTPError):
         server = " ".join(str(error).split())[:160]
-        advice = f"the Hub rejected the upload (HTTP {status}: {server}); nothing was committed, try again"
+        advice = f"the Hub rejected the upload (HTTP {status or '?'}: {server}); nothing was committed, try again"
     else:
         advice = (f"cannot reach the Hub ({type(error).__name__}); check the network and HF_ENDPOINT, "
                   "then push again (nothing was committed)")
