@@ -31,9 +31,11 @@ from .configuration_needle import NeedleConfig
 from .conversion.export import check_names_and_shapes, read_hf_config, safetensors_layout, weight_files
 from .model_card import folder_model_card
 from .remote_code import AUTO_MAP, remote_code_files
+from .tokenization_needle import read_tokenizer_file
 
 DEFAULT_BRANCH = "main"
 README_NAME = "README.md"
+TOKENIZER_FILE = "tokenizer.json"
 COMMIT_ID = re.compile(r"[0-9a-f]{40}")
 # The Auto classes a pushed repository must map to shipped code: what `AutoConfig` and
 # `AutoModelForCausalLM.from_pretrained(..., trust_remote_code=True)` and the pipeline need.
@@ -88,6 +90,8 @@ def check_folder(folder: str | os.PathLike) -> NeedleConfig:
         raise PushError(f"{folder} is not a folder; expected a saved Hugging Face Needle folder")
     config = read_hf_config(folder)
     check_names_and_shapes(safetensors_layout(weight_files(folder))[0], config, where=str(folder))
+    if (folder / TOKENIZER_FILE).is_file():
+        read_tokenizer_file(folder / TOKENIZER_FILE)
     auto_map = json.loads((folder / "config.json").read_text(encoding="utf-8")).get("auto_map") or {}
     absent = [auto_class for auto_class in REQUIRED_AUTO_CLASSES if auto_class not in auto_map]
     if absent:

@@ -418,6 +418,34 @@ def save_fast_tokenizer(tokenizer, save_directory):
     return written
 
 
+# A tokenizer.json far larger than Needle's (about 0.5 MB) is not one.
+MAX_TOKENIZER_JSON_BYTES = 64 << 20
+
+
+def read_tokenizer_file(path):
+    """Read a `tokenizer.json` into a `tokenizers.Tokenizer`, or raise `TokenizerSourceError` naming it.
+
+    The file is parsed as JSON first (bounded in size; nesting beyond Python's recursion limit is
+    an error), so a damaged file gets one clear message rather than the library's own error.
+    """
+    size = os.path.getsize(path)
+    if size > MAX_TOKENIZER_JSON_BYTES:
+        raise TokenizerSourceError(f"{path}: {size} bytes, more than a tokenizer.json holds ({MAX_TOKENIZER_JSON_BYTES})")
+    try:
+        with open(path, "rb") as handle:
+            text = handle.read().decode("utf-8")
+        content = json.loads(text)
+    except (UnicodeDecodeError, ValueError, RecursionError) as error:
+        raise TokenizerSourceError(f"{path}: not valid JSON ({type(error).__name__}: {str(error)[:80]})") from None
+    if not isinstance(content, dict) or not isinstance(content.get("model"), dict):
+        raise TokenizerSourceError(f"{path}: expected a tokenizer.json object with a 'model' entry")
+    try:
+        return Tokenizer.from_str(text)
+    except Exception as error:  # the library raises a bare Exception for any malformed field
+        message = " ".join(str(error).split())[:160]
+        raise TokenizerSourceError(f"{path}: not a readable tokenizer.json ({message})") from None
+
+
 def check_vocab_matches(tokenizer, vocab_size, *, source="the model config"):
     """Raise `TokenizerVocabMismatchError` unless the tokenizer has exactly `vocab_size` ids.
 
