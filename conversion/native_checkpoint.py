@@ -366,32 +366,61 @@ MAX_NESTING_DEPTH = 64
 MAX_METADATA_NODES = 1_000_000
 
 
-def _finish(value, path: str, budget: list[int], depth: int = 0):
-    """Replace the unpickling stand-ins by their values (arrays, dtypes), within the structure bounds."""
+def _children(value, path: str = "") -> list[tuple[str, object]]:
+    """(path, child) for each value inside a container."""
+    if isinstance(value, dict):
+        return [(f"{path}/{key}" if isinstance(key, str) else path, item) for key, item in value.items()]
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [(path, item) for item in value]
+    if isinstance(value, _SavedTransformerConfig):
+        return [(path, getattr(value, "fields", {}))]
+    return []
+
+
+def _check_structure(value, path: str, sizes: dict[int, int], depth: int = 0) -> int:
+    """The number of values `value` expands to (a shared value counts each time it is reached, as a
+    serialiser would write it), computed once per distinct object; refuses deep or circular nesting."""
     if depth > MAX_NESTING_DEPTH:
         raise CheckpointFormatError(f"{path}: nested deeper than {MAX_NESTING_DEPTH} levels (or circular)")
-    budget[0] -= 1
-    if budget[0] < 0:
-        raise CheckpointFormatError(f"{path}: more than {MAX_METADATA_NODES} values (counting shared ones each time)")
+    known = sizes.get(id(value))
+    if known is not None:
+        return known
+    total = 1
+    children = _children(value, path)
+    for child_path, child in children:
+        total += _check_structure(child, child_path, sizes, depth + 1)
+        if total > MAX_METADATA_NODES:
+            raise CheckpointFormatError(f"{path}: more than {MAX_METADATA_NODES} values (counting shared ones each time)")
+    if children:
+        sizes[id(value)] = total
+    return total
+
+
+def _finish(value, path: str, done: dict[int, object]):
+    """Replace the unpickling stand-ins by their values (arrays, dtypes); a shared container is
+    rebuilt once and stays shared, so the result costs what the file held."""
     if isinstance(value, _PickledArray):
         if value.array is None:
             raise CheckpointFormatError(f"{path}: an array whose data was never given")
         return value.array
     if isinstance(value, _PickledDtype):
         return value.dtype
-    if isinstance(value, _SavedTransformerConfig):
-        value.fields = _finish(getattr(value, "fields", {}), path, budget, depth + 1)
+    if not isinstance(value, (dict, list, tuple, set, frozenset, _SavedTransformerConfig)):
         return value
-    if isinstance(value, dict):
-        return {key: _finish(item, f"{path}/{key}" if isinstance(key, str) else path, budget, depth + 1)
-                for key, item in value.items()}
-    if isinstance(value, list):
-        return [_finish(item, path, budget, depth + 1) for item in value]
-    if isinstance(value, tuple):
-        return tuple(_finish(item, path, budget, depth + 1) for item in value)
-    if isinstance(value, (set, frozenset)):
-        return type(value)(_finish(item, path, budget, depth + 1) for item in value)
-    return value
+    if id(value) in done:
+        return done[id(value)]
+    if isinstance(value, _SavedTransformerConfig):
+        value.fields = _finish(getattr(value, "fields", {}), path, done)
+        result = value
+    elif isinstance(value, dict):
+        result = {key: _finish(item, f"{path}/{key}" if isinstance(key, str) else path, done)
+                  for key, item in value.items()}
+    elif isinstance(value, list):
+        result = [_finish(item, path, done) for item in value]
+    else:
+        result = type(value)(_finish(item, path, done) for item in value)
+    done[id(value)] = result
+    return result
 
 
 # --------------------------------------------------------------------------------------------------
@@ -433,7 +462,8 @@ def _unpickle(path: Path):
         stream.seek(0)
         try:
             obj = _CheckpointUnpickler(_BoundedReader(stream, size)).load()
-            obj = _finish(obj, "checkpoint", [MAX_METADATA_NODES])
+            _check_structure(obj, "checkpoint", {})
+            obj = _finish(obj, "checkpoint", {})
         except CheckpointFormatError as error:
             raise type(error)(f"{path}: {error}") from None
         except MemoryError:
