@@ -14,8 +14,11 @@ A pickle is a program: a plain `pickle.load` of an untrusted file can run any co
 below therefore unpickles with an allow-list. It admits only the callables that rebuild what a
 checkpoint holds, each wrapped so that it can only do that:
 
-- numpy arrays, scalars and dtypes (`numpy[._]core.multiarray._reconstruct`, `...scalar`,
-  `numpy[._]core.numeric._frombuffer` for protocol 5, `numpy.ndarray`, `numpy.dtype`);
+- numpy arrays, scalars and dtypes, only in the form numpy's own pickling writes them
+  (`numpy[._]core.multiarray._reconstruct` + BUILD state, `...scalar`, `numpy[._]core.numeric._frombuffer`
+  for protocol 5, `numpy.dtype` + its plain state; `numpy.ndarray` only as the class `_reconstruct`
+  names, never called). Every array is a view of exactly the bytes that carried it, of a numeric
+  dtype from `ALLOWED_DTYPE_CODES` (no object, structured or subarray dtypes);
 - `ml_dtypes.bfloat16` (the dtype of bfloat16 jax/numpy arrays);
 - `jax._src.array._reconstruct_array` (how a pickled jax array rebuilds itself from a numpy
   array), rebuilt here as the plain numpy array without importing jax;
@@ -25,6 +28,11 @@ checkpoint holds, each wrapped so that it can only do that:
   for the stand-in (how protocols 0-1 spell a plain object).
 
 Anything else raises `UnsafeCheckpointError` naming the module and attribute, before it is called.
+
+Allocation is bounded by the file: every length field is checked against the bytes left before
+anything is allocated for it (`_BoundedReader`), the memo is a dict (pure-Python unpickler), and
+the result is checked for depth and size (`MAX_NESTING_DEPTH`, `MAX_METADATA_NODES`) before it is
+used. Weights must be finite.
 """
 
 from __future__ import annotations

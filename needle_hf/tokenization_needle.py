@@ -23,6 +23,9 @@ How SentencePiece's behaviour maps onto the `tokenizers` pipeline:
     their literal text ("<s>", "</s>", ...) inside an input is read as the token (the chat
     template relies on it to write BOS and EOS); pass `split_special_tokens=True` to encode such
     text the way SentencePiece does.
+  - Message text in the chat template never becomes a marker or a special token: the template
+    escapes it and the normaliser undoes the escape after matching (see `normalizer`); the ids of
+    marker-free text are SentencePiece's.
   - No pre-tokeniser: SentencePiece runs BPE over each stretch between markers as a whole.
   - BPE: the model's vocabulary, with merges derived from the piece scores. SentencePiece merges,
     at each step, the adjacent pair whose concatenation is the highest-scoring normal piece;
