@@ -13,7 +13,6 @@ import struct
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 

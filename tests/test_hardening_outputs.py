@@ -23,40 +23,11 @@ from needle_hf.cli import main
 from needle_hf.configuration_needle import NeedleConfig
 from needle_hf.conversion.atomic_output import clean_debris
 from needle_hf.conversion.cact import CactFormatError, read_cact
-from needle_reference import TINY_NATIVE_CONFIG, make_native_params, reference_config, write_native_checkpoint
-from spm_fixture import FIXTURE_VOCAB_SIZE
 
-CONFIG = dict(TINY_NATIVE_CONFIG, vocab_size=FIXTURE_VOCAB_SIZE)
-CACT_HEADER_BYTES, CACT_CODEBOOK_FLOATS, CACT_RECORD_BYTES = 120, 28, 44
+# The tiny checkpoint, its HF folder and its .cact, as the CLI tests make them.
+from test_cli import blob, checkpoint, hf_folder, params  # noqa: E402,F401  (fixtures)
 
-
-@pytest.fixture(scope="module")
-def params():
-    return make_native_params(CONFIG, seed=11, with_heads=False)
-
-
-@pytest.fixture(scope="module")
-def checkpoint(params, tmp_path_factory):
-    path = tmp_path_factory.mktemp("source") / "model.pkl"
-    write_native_checkpoint(path, params, CONFIG)
-    return path
-
-
-@pytest.fixture(scope="module")
-def hf_folder(checkpoint, tmp_path_factory):
-    out = tmp_path_factory.mktemp("hf") / "hf"
-    assert main(["convert", str(checkpoint), str(out)]) == 0
-    return out
-
-
-@pytest.fixture(scope="module")
-def blob(params, needle_spm_model, tmp_path_factory):
-    from needle.model.export import write_export
-    from needle.model.tokenizer import SANTokenizer
-
-    path = tmp_path_factory.mktemp("blob") / "model.cact"
-    write_export(params, reference_config(CONFIG), str(path), bits=4, tokenizer=SANTokenizer(str(needle_spm_model)))
-    return path
+CACT_HEADER_BYTES, CACT_CODEBOOK_FLOATS = 120, 28
 
 
 def _tree(folder: Path) -> dict[str, bytes]:
