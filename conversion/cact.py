@@ -77,6 +77,16 @@ ENGRAM_CONV_TAPS = 4
 QUANTIZED_KV_BITS = (2, 3, 4)
 MAX_ORDERS = MAX_SITES = 4
 
+# Upper bound on every header size: far above any Needle model, low enough that nothing sized by a
+# header field is built before the records it implies are checked against the file.
+MAX_GEOMETRY_VALUE = 1 << 24
+# Largest CQ group (the reference exports 128): its Walsh matrix (group^2 float32) stays at 4 MiB.
+MAX_CQ_GROUP = 1024
+# Records per layer and around the layers (embedding; 3 + 3 + 3 hyper-connection tensors; final_norm).
+RECORDS_PER_LAYER = 14
+RECORDS_OUTSIDE_LAYERS = 11
+RECORDS_PER_ENGRAM_SITE = 4
+
 # Probe heads: manifest code -> (native subtree, probes).
 HEAD_CODES = {1: ("contrastive_head", 4), 2: ("confidence_head", 8)}
 # The contrastive head's training temperature is not exported; the reference initialises it to log(0.07).
@@ -219,8 +229,10 @@ def _check_geometry(g: CactGeometry, source):
     positive = ("vocab_size", "d_model", "num_heads", "num_kv_heads", "num_layers", "head_dim", "max_seq_len",
                 "mhc_lanes", "engram_slots", "engram_sub_dim", "num_engram_tables")
     for name in positive:
-        if getattr(g, name) <= 0:
-            _fail(source, f"header: {name} is {getattr(g, name)}, expected a positive value")
+        if not 0 < getattr(g, name) <= MAX_GEOMETRY_VALUE:
+            _fail(source, f"header: {name} is {getattr(g, name)}, expected 1..{MAX_GEOMETRY_VALUE}")
+    if g.kv_window > MAX_GEOMETRY_VALUE:
+        _fail(source, f"header: kv_window is {g.kv_window}, expected 0..{MAX_GEOMETRY_VALUE}")
     checks = [
         (g.codebook_len == CODEBOOK_LENGTH,
          f"codebook_len {g.codebook_len}, expected {CODEBOOK_LENGTH} (levels for bits {CODEBOOK_BITS})"),
@@ -348,8 +360,8 @@ def _expected_nbytes(rec: CactRecord, where: str) -> int:
         raise CactFormatError(f"{where}: a CQ record must be a 2-D [out, in] matrix, has shape {rec.shape}")
     if rec.bits not in CQ_RECORD_BITS:
         raise CactFormatError(f"{where}: CQ bits {rec.bits}, expected one of {CQ_RECORD_BITS} (5 = ternary)")
-    if rec.group < 8 or rec.group & (rec.group - 1):
-        raise CactFormatError(f"{where}: CQ group size {rec.group}, expected a power of two >= 8")
+    if rec.group < 8 or rec.group & (rec.group - 1) or rec.group > MAX_CQ_GROUP:
+        raise CactFormatError(f"{where}: CQ group size {rec.group}, expected a power of two in 8..{MAX_CQ_GROUP}")
     rows, columns = rec.shape
     in_padded = -(-columns // rec.group) * rec.group
     return rows * _cq_row_bytes(in_padded, rec.bits) + rows * (in_padded // rec.group) * 2
@@ -387,23 +399,30 @@ def _check_record(rec: CactRecord, slot: _Slot | None, file_size: int, data_star
                               f"file ({file_size} bytes); the blob is truncated or the offset is corrupt")
 
 
-def _check_no_overlap(records: list[CactRecord], source):
+def _check_no_overlap(records: list[CactRecord], data: bytes, source):
     ordered = sorted(records, key=lambda r: r.offset)
     for before, after in zip(ordered, ordered[1:]):
         if before.offset + before.nbytes > after.offset:
             _fail(source, f"records {before.index} ({before.name}) and {after.index} ({after.name}) overlap")
+    end = ordered[-1].offset + ordered[-1].nbytes
+    trailing = data[end:]
+    if len(trailing) >= BLOB_ALIGNMENT or trailing.strip(b"\0"):
+        _fail(source, f"{len(trailing)} byte(s) after the last record (which ends at {end}) belong to no record; "
+                      f"the header's num_tensors {len(records)} is too small or the file has trailing data")
 
 
 def _layout(data: bytes, g: CactGeometry, raw_records: list[tuple], data_start: int, source) -> tuple[list[CactRecord], list[int]]:
     """Name every record after its position and check it; returns (records, head codes)."""
-    backbone = _backbone_slots(g)
     count = g.num_tensors
-    has_tokenizer = count > len(backbone) and raw_records[-1][0] == RAW
-    extra = count - len(backbone) - int(has_tokenizer)
+    # Counted before the slots are listed: the directory (which fits in the file) bounds the list.
+    backbone_count = RECORDS_OUTSIDE_LAYERS + RECORDS_PER_LAYER * g.num_layers + RECORDS_PER_ENGRAM_SITE * len(g.engram_layers)
+    has_tokenizer = count > backbone_count and raw_records[-1][0] == RAW
+    extra = count - backbone_count - int(has_tokenizer)
     if extra < 0 or (extra and (extra < 4 or (extra - 1) % 3)):
         _fail(source, f"header says {count} tensors, which does not fit a model with {g.num_layers} layers and "
-                      f"{len(g.engram_layers)} engram sites: {len(backbone)} backbone tensors, then optionally a "
+                      f"{len(g.engram_layers)} engram sites: {backbone_count} backbone tensors, then optionally a "
                       f"heads manifest with 3 tensors per head, then optionally the RAW tokenizer")
+    backbone = _backbone_slots(g)
     records = [_record(i, slot.name, raw_records[i], source) for i, slot in enumerate(backbone)]
     for rec, slot in zip(records, backbone):
         _check_record(rec, slot, len(data), data_start, source)
@@ -423,7 +442,7 @@ def _layout(data: bytes, g: CactGeometry, raw_records: list[tuple], data_start: 
         rec = _record(index, "tokenizer" if slot is None else slot.name, raw_records[index], source)
         _check_record(rec, slot, len(data), data_start, source)
         records.append(rec)
-    _check_no_overlap(records, source)
+    _check_no_overlap(records, data, source)
     return records, codes
 
 

@@ -25,8 +25,10 @@ strict (an unknown, missing or mis-shaped tensor is an error naming it):
    The logit check is opt-in because it costs what the conversion does not: the model framework
    and a second copy of the weights in memory (about 450 MB and 15 s more for Needle 2).
 8. `conversion_report.json` (source sha256, converter version, the measured differences), then the
-   temporary folder is renamed to OUT_DIR. An existing OUT_DIR is replaced only now (`overwrite`).
-   Any failure removes the temporary folder: nothing is left behind.
+   temporary folder, synced to disk, takes OUT_DIR's place. An existing OUT_DIR is replaced only now
+   (`overwrite`), atomically (see `atomic_output`). Any failure removes the temporary folder: nothing
+   is left behind; what a killed run left is cleaned up by the next one. OUT_DIR may not be, contain
+   or lie inside the source or the tokenizer file.
 
 Generation defaults: generation stops at EOS (1), as the reference's own generation does; Needle's
 trained assistant turn ends `... </tool_call><|im_end|>` followed by EOS. A single id because
@@ -40,9 +42,7 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
 import time
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -63,6 +63,7 @@ from needle_hf.tokenization_needle import (
 from needle_hf.weight_names import native_to_hf, optional_heads_in_native
 
 from . import verification
+from .atomic_output import check_output_outside_inputs, clean_debris, publish_folder, staging_path
 from .cact import CACT_TAG, read_cact
 from .export import SAFETENSORS_NAME, numpy_dtype
 from .safetensors_stream import write_safetensors
@@ -227,19 +228,17 @@ def _check_output_dir(out_dir: Path, *, overwrite: bool):
         raise ConversionError(f"{out_dir} exists and is not empty; pass --overwrite to replace it")
 
 
-def _publish(staging: Path, out_dir: Path):
-    """Move the finished staging folder to `out_dir`, replacing what is there only at this point."""
-    if not out_dir.exists():
-        os.rename(staging, out_dir)
-        return
-    previous = out_dir.with_name(f".{out_dir.name}.previous-{uuid.uuid4().hex[:8]}")
-    os.rename(out_dir, previous)
-    try:
-        os.rename(staging, out_dir)
-    except BaseException:
-        os.rename(previous, out_dir)
-        raise
-    shutil.rmtree(previous, ignore_errors=True)
+def _check_config_fits_params(config: NeedleConfig, params: dict, source: Path):
+    """Check the config's sizes against the tree before any name table is built from them: a config
+    claiming 10^9 layers over a small tree is refused here, not after allocating for 10^9 layers."""
+    layers = params.get("stack", {}).get("layers", {}).get("block", {}) if isinstance(params.get("stack"), dict) else {}
+    norm = layers.get("ZCRMSNorm_0", {}).get("scale") if isinstance(layers.get("ZCRMSNorm_0"), dict) else None
+    found_layers = None if norm is None or norm.ndim == 0 else norm.shape[0]
+    if found_layers != config.num_hidden_layers:
+        raise ConversionError(
+            f"{source}: config num_layers {config.num_hidden_layers}, but stack/layers/block/ZCRMSNorm_0/scale holds "
+            f"{'no stacked layers' if found_layers is None else f'{found_layers} layers'}"
+        )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -333,6 +332,11 @@ def convert(
     started = time.perf_counter()
     progress = progress or _silent
     out_dir = Path(out_dir).absolute()
+    inputs = {"source": Path(source_path)}
+    if tokenizer is not None:
+        inputs["tokenizer"] = Path(tokenizer)
+    check_output_outside_inputs(out_dir, inputs, command="convert")
+    clean_debris(out_dir)
     _check_output_dir(out_dir, overwrite=overwrite)
     if dtype is not None:
         numpy_dtype(dtype)  # validates the name before any work
@@ -354,6 +358,7 @@ def convert(
     dtype = dtype or source_dtype
     heads = optional_heads_in_native(source.params)
     config = NeedleConfig.from_needle_config(source.native_config, **heads)
+    _check_config_fits_params(config, source.params, source.path)
     config.dtype = dtype
     config.architectures = [ARCHITECTURE]
     progress(
@@ -373,7 +378,8 @@ def convert(
     tensors = cast_tensors(tensors, dtype)
 
     # Steps 6-8, in a staging folder beside OUT_DIR.
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".partial", dir=out_dir.parent))
+    staging = staging_path(out_dir)
+    os.mkdir(staging)  # the usual permissions (umask), which the published folder keeps
     try:
         progress(f"writing {tensor_count} tensors ({parameters:,} parameters) to {SAFETENSORS_NAME}")
         config.save_pretrained(str(staging))
@@ -410,7 +416,7 @@ def convert(
             "verification": checks,
         }
         (staging / REPORT_NAME).write_text(json.dumps(report, indent=2, default=_jsonable) + "\n", encoding="utf-8")
-        _publish(staging, out_dir)
+        publish_folder(staging, out_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

@@ -21,10 +21,9 @@ This module also holds the small helpers both directions use to read HF folders.
 
 from __future__ import annotations
 
+import contextlib
 import json
-import os
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -35,6 +34,7 @@ import needle_hf
 from needle_hf.configuration_needle import NeedleConfig
 from needle_hf.weight_names import WeightMappingError, hf_to_native, hf_weight_shapes
 
+from .atomic_output import check_output_outside_inputs, clean_debris, publish_file, staging_path
 from .native_checkpoint import load_native_checkpoint, write_native_checkpoint
 
 SAFETENSORS_NAME = "model.safetensors"
@@ -67,6 +67,11 @@ def check_names_and_shapes(found: dict[str, tuple[int, ...]], config: NeedleConf
         config: the model config; the key table gives the expected names and shapes.
         where: the file or folder, for the message.
     """
+    if config.num_hidden_layers > len(found):
+        # Checked before the name table is built: its size follows the config, not the file.
+        raise WeightMappingError(
+            f"{where}: config.json says {config.num_hidden_layers} layers, but the weights hold only {len(found)} tensors"
+        )
     expected = hf_weight_shapes(config)
     unknown = sorted(set(found) - set(expected))
     if unknown:
@@ -94,12 +99,35 @@ def read_hf_config(folder: Path) -> NeedleConfig:
         raise ExportError(f"{folder}: no config.json; expected a saved Hugging Face Needle folder")
     try:
         fields = json.loads(config_path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ExportError(f"{config_path}: not valid JSON ({error})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as error:
+        raise ExportError(f"{config_path}: not valid JSON ({type(error).__name__}: {str(error)[:80]})") from None
     model_type = fields.get("model_type") if isinstance(fields, dict) else None
     if model_type != NeedleConfig.model_type:
-        raise ExportError(f"{config_path}: model_type {model_type!r}, expected {NeedleConfig.model_type!r} (Needle 2)")
-    return NeedleConfig.from_pretrained(str(folder))
+        raise ExportError(f"{config_path}: model_type {str(model_type)[:40]!r}, expected {NeedleConfig.model_type!r} (Needle 2)")
+    try:
+        return NeedleConfig.from_pretrained(str(folder))
+    except (ValueError, TypeError) as error:
+        raise ExportError(f"{config_path}: {error}") from None
+
+
+def _index_shards(index: Path) -> list[str]:
+    """The shard file names an index lists, each a plain file name inside the folder."""
+    try:
+        content = json.loads(index.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as error:
+        raise ExportError(f"{index}: not valid JSON ({type(error).__name__}: {str(error)[:80]})") from None
+    weight_map = content.get("weight_map") if isinstance(content, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ExportError(f"{index}: expected a JSON object with a non-empty 'weight_map' of tensor -> shard file")
+    shards = set()
+    for tensor, shard in weight_map.items():
+        if not isinstance(shard, str) or not shard or shard != Path(shard).name or shard in (".", ".."):
+            raise ExportError(
+                f"{index}: tensor {tensor[:80]} maps to {str(shard)[:80]!r}; expected a file name inside the folder "
+                "(no folders, no '..')"
+            )
+        shards.add(shard)
+    return sorted(shards)
 
 
 def weight_files(folder: Path) -> list[Path]:
@@ -108,25 +136,37 @@ def weight_files(folder: Path) -> list[Path]:
     if single.is_file():
         return [single]
     if index.is_file():
-        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map", {})
-        shards = sorted(set(weight_map.values()))
+        shards = _index_shards(index)
         missing = [name for name in shards if not (folder / name).is_file()]
-        if not shards or missing:
-            raise ExportError(f"{index}: lists shards {shards}, of which {missing or 'none'} are missing")
+        if missing:
+            raise ExportError(f"{index}: lists shards {shards}, of which {missing} are missing")
         return [folder / name for name in shards]
     raise ExportError(f"{folder}: no {SAFETENSORS_NAME} (or {SAFETENSORS_INDEX_NAME}); expected PyTorch-layout weights")
 
 
-def read_hf_tensors(folder, config: NeedleConfig) -> dict[str, np.ndarray]:
-    """Every tensor of an HF folder as numpy arrays, after checking all names and shapes against `config`."""
-    from safetensors import safe_open
+# Tensor dtypes a Needle folder stores its weights in (safetensors tags).
+FLOAT_SAFETENSORS_DTYPES = ("F32", "F16", "BF16")
 
-    folder = Path(folder)
-    files = weight_files(folder)
+
+@contextlib.contextmanager
+def open_safetensors(path: Path):
+    """`safe_open(path)` for numpy, with a malformed file reported as an `ExportError` naming it."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="numpy") as handle:
+            yield handle
+    except SafetensorError as error:
+        raise ExportError(f"{path}: not a readable safetensors file ({error})") from None
+
+
+def safetensors_layout(files: list[Path]) -> tuple[dict[str, tuple[int, ...]], dict[str, Path]]:
+    """(tensor name -> shape, tensor name -> file) from the headers of `files`; each tensor must be a
+    float tensor, stored once, in a file whose metadata says PyTorch layout."""
     shapes: dict[str, tuple[int, ...]] = {}
     owner: dict[str, Path] = {}
     for path in files:
-        with safe_open(str(path), framework="numpy") as handle:
+        with open_safetensors(path) as handle:
             layout = (handle.metadata() or {}).get("format")
             if layout != "pt":
                 raise ExportError(
@@ -135,11 +175,23 @@ def read_hf_tensors(folder, config: NeedleConfig) -> dict[str, np.ndarray]:
             for name in handle.keys():
                 if name in shapes:
                     raise ExportError(f"tensor {name} is stored twice, in {owner[name].name} and {path.name}")
-                shapes[name], owner[name] = tuple(handle.get_slice(name).get_shape()), path
+                tensor = handle.get_slice(name)
+                if tensor.get_dtype() not in FLOAT_SAFETENSORS_DTYPES:
+                    raise ExportError(f"{path}: tensor {name}: dtype {tensor.get_dtype()}, expected one of "
+                                      f"{', '.join(FLOAT_SAFETENSORS_DTYPES)}")
+                shapes[name], owner[name] = tuple(tensor.get_shape()), path
+    return shapes, owner
+
+
+def read_hf_tensors(folder, config: NeedleConfig) -> dict[str, np.ndarray]:
+    """Every tensor of an HF folder as numpy arrays, after checking all names and shapes against `config`."""
+    folder = Path(folder)
+    files = weight_files(folder)
+    shapes, _ = safetensors_layout(files)
     check_names_and_shapes(shapes, config, where=str(folder))
     tensors = {}
     for path in files:
-        with safe_open(str(path), framework="numpy") as handle:
+        with open_safetensors(path) as handle:
             for name in handle.keys():
                 tensors[name] = handle.get_tensor(name)
     return tensors
@@ -205,6 +257,8 @@ def export_native(
     hf_dir, out_path = Path(hf_dir), Path(out_path).absolute()
     if not hf_dir.is_dir():
         raise ExportError(f"{hf_dir} is not a folder; expected a saved Hugging Face Needle folder")
+    check_output_outside_inputs(out_path, {"Hugging Face folder": hf_dir}, command="export")
+    clean_debris(out_path)
     if out_path.exists() and (out_path.is_dir() or not overwrite):
         raise ExportError(f"{out_path} exists; pass --overwrite to replace it" if not out_path.is_dir()
                           else f"{out_path} is a folder; give the path of the .pkl to write")
@@ -224,14 +278,14 @@ def export_native(
     run = {"exported_by": f"needle-hf {needle_hf.__version__}", "source": str(hf_dir.absolute())}
     # Written under a temporary name beside the target and moved over it once read back, so a
     # failure leaves neither a partial file nor a replaced one.
-    staging = out_path.with_name(f".{out_path.name}.{uuid.uuid4().hex[:8]}.partial")
+    staging = staging_path(out_path)
     progress(f"writing {out_path}")
     try:
         write_native_checkpoint(staging, params, config.to_needle_config(), step=None, run=run)
         if verify:
             progress("verifying: reading the checkpoint back")
             _check_read_back(staging, params)
-        os.replace(staging, out_path)
+        publish_file(staging, out_path)
     except BaseException:
         staging.unlink(missing_ok=True)
         raise

@@ -14,8 +14,11 @@ A pickle is a program: a plain `pickle.load` of an untrusted file can run any co
 below therefore unpickles with an allow-list. It admits only the callables that rebuild what a
 checkpoint holds, each wrapped so that it can only do that:
 
-- numpy arrays, scalars and dtypes (`numpy[._]core.multiarray._reconstruct`, `...scalar`,
-  `numpy[._]core.numeric._frombuffer` for protocol 5, `numpy.ndarray`, `numpy.dtype`);
+- numpy arrays, scalars and dtypes, only in the form numpy's own pickling writes them
+  (`numpy[._]core.multiarray._reconstruct` + BUILD state, `...scalar`, `numpy[._]core.numeric._frombuffer`
+  for protocol 5, `numpy.dtype` + its plain state; `numpy.ndarray` only as the class `_reconstruct`
+  names, never called). Every array is a view of exactly the bytes that carried it, of a numeric
+  dtype from `ALLOWED_DTYPE_CODES` (no object, structured or subarray dtypes);
 - `ml_dtypes.bfloat16` (the dtype of bfloat16 jax/numpy arrays);
 - `jax._src.array._reconstruct_array` (how a pickled jax array rebuilds itself from a numpy
   array), rebuilt here as the plain numpy array without importing jax;
@@ -25,6 +28,11 @@ checkpoint holds, each wrapped so that it can only do that:
   for the stand-in (how protocols 0-1 spell a plain object).
 
 Anything else raises `UnsafeCheckpointError` naming the module and attribute, before it is called.
+
+Allocation is bounded by the file: every length field is checked against the bytes left before
+anything is allocated for it (`_BoundedReader`), the memo is a dict (pure-Python unpickler), and
+the result is checked for depth and size (`MAX_NESTING_DEPTH`, `MAX_METADATA_NODES`) before it is
+used. Weights must be finite.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ from __future__ import annotations
 import math
 import os
 import pickle
+import struct
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -93,54 +102,144 @@ class _SavedTransformerConfig:
         self.fields = dict(state)
 
 
-# numpy's own reconstruction functions, found through the objects they rebuild rather than by
-# their private module path (numpy 1.x calls it `numpy.core`, numpy 2.x `numpy._core`).
-_NUMPY_RECONSTRUCT = np.ndarray((0,), np.int8).__reduce__()[0]
-_NUMPY_SCALAR = np.float32(0).__reduce__()[0]
-_NUMPY_FROMBUFFER = np.zeros(1, np.float32).__reduce_ex__(5)[0]
+# Array and dtype values a checkpoint may hold: numbers only. Spelled as numpy pickles a dtype
+# (`dtype('f4', False, True)`), byte order aside; bfloat16 arrives as the ml_dtypes type itself.
+ALLOWED_DTYPE_CODES = ("f2", "f4", "f8", "i1", "i2", "i4", "i8", "u1", "u2", "u4", "u8", "b1")
+MAX_ARRAY_DIMS = 32
+# A dtype's pickled state is (version, byte order, subarray, names, fields, itemsize, alignment, flags);
+# a plain numeric dtype has no subarray, names or fields.
+_PLAIN_DTYPE_STATE_LENGTH = 8
 
 
-def _check_dtype(dtype: np.dtype) -> np.dtype:
-    if dtype.hasobject:
-        raise UnsafeCheckpointError(f"checkpoint holds an array of Python objects (dtype {dtype}); parameters are numeric")
-    return dtype
+def _unsafe_dtype(spec) -> UnsafeCheckpointError:
+    return UnsafeCheckpointError(
+        f"checkpoint holds an array of Python objects or of a non-numeric dtype ({spec!r}); parameters are numeric "
+        f"(allowed: {', '.join(ALLOWED_DTYPE_CODES)}, bfloat16)"
+    )
 
 
-def _make_dtype(spec, align=False, copy=False):
-    return _check_dtype(np.dtype(spec, align, copy))
+class _PickledDtype:
+    """A dtype being unpickled: `numpy.dtype(spec, align, copy)` then BUILD with its state.
+
+    numpy's own dtype state can turn a plain dtype into a structured, subarray or object dtype, so
+    the state is accepted only when it is the one numpy writes for `spec` itself (byte order aside).
+    """
+
+    def __init__(self, spec, align=False, copy=False):
+        if isinstance(spec, str) and spec.lstrip("<>|=") in ALLOWED_DTYPE_CODES:
+            self.dtype = np.dtype(spec)
+        elif isinstance(spec, type) and spec.__name__ == "bfloat16" and spec.__module__.startswith("ml_dtypes"):
+            self.dtype = np.dtype(spec)
+        else:
+            raise _unsafe_dtype(spec if isinstance(spec, (str, int, float)) else type(spec).__name__)
+
+    def __setstate__(self, state):
+        canonical = self.dtype.__reduce__()[2]
+        if not (isinstance(state, tuple) and len(state) == _PLAIN_DTYPE_STATE_LENGTH and state[1] in ("<", ">", "|", "=")
+                and state[0] == canonical[0] and state[2:] == canonical[2:]):
+            raise UnsafeCheckpointError(
+                f"dtype {self.dtype} pickled with state {_describe(state)}, not the state numpy writes for it "
+                "(structured, subarray and object dtypes are refused)"
+            )
+        if state[1] == ">" and self.dtype.itemsize > 1:
+            self.dtype = self.dtype.newbyteorder(">")
+
+
+def _describe(value) -> str:
+    """A short, bounded description of an unpickled value for messages (never a deep repr)."""
+    if isinstance(value, (int, float, bool, type(None))):
+        text = repr(value)
+        return text if len(text) <= 40 else f"an integer of {len(text)} digits"
+    if isinstance(value, (str, bytes)):
+        return repr(value[:40]) + ("..." if len(value) > 40 else "")
+    return f"a {type(value).__name__}"
+
+
+def _resolve_dtype(dtype, what: str) -> np.dtype:
+    if not isinstance(dtype, _PickledDtype):
+        raise CheckpointFormatError(f"{what} with dtype argument {_describe(dtype)}, expected a numpy dtype")
+    return dtype.dtype
+
+
+def _checked_shape(shape, what: str) -> tuple[int, ...]:
+    if not (isinstance(shape, tuple) and len(shape) <= MAX_ARRAY_DIMS
+            and all(type(n) is int and n >= 0 for n in shape)):
+        raise CheckpointFormatError(f"{what} with shape {_describe(shape)}, expected a tuple of at most "
+                                    f"{MAX_ARRAY_DIMS} non-negative integers")
+    return shape
+
+
+def _array_from_bytes(data, dtype: np.dtype, shape: tuple[int, ...], order: str, what: str) -> np.ndarray:
+    """The array viewing `data` (no copy), once its size is exactly the bytes that carried it."""
+    if not isinstance(data, (bytes, bytearray)):
+        raise CheckpointFormatError(f"{what} with data {_describe(data)}, expected bytes")
+    expected = math.prod(shape) * dtype.itemsize
+    if len(data) != expected:
+        raise CheckpointFormatError(
+            f"{what} of shape {shape} and dtype {dtype} needs {expected} bytes, its data has {len(data)}"
+        )
+    if order not in ("C", "F"):
+        raise CheckpointFormatError(f"{what} with memory order {_describe(order)}, expected 'C' or 'F'")
+    return np.frombuffer(data, dtype=dtype).reshape(shape, order=order)
+
+
+class _ArrayMarker:
+    """What `numpy.ndarray` resolves to: the class numpy's `_reconstruct` names, never callable as such."""
+
+    def __call__(self, *args):
+        raise UnsafeCheckpointError("numpy.ndarray called directly; numpy pickles arrays through _reconstruct only")
+
+
+_NDARRAY = _ArrayMarker()
+
+
+class _PickledArray:
+    """An array being unpickled: `_reconstruct(ndarray, (0,), b'b')` then BUILD with
+    `(version, shape, dtype, is_fortran, data)`, the state numpy writes. The array views `data`."""
+
+    array = None
+
+    def __setstate__(self, state):
+        if isinstance(state, tuple) and len(state) == 5 and state[0] == 1:
+            state = state[1:]
+        if not (isinstance(state, tuple) and len(state) == 4 and isinstance(state[2], bool)):
+            raise CheckpointFormatError(f"array state {_describe(state)}, expected (1, shape, dtype, is_fortran, data)")
+        shape, dtype, fortran, data = state
+        dtype = _resolve_dtype(dtype, "array")
+        self.array = _array_from_bytes(data, dtype, _checked_shape(shape, "array"), "F" if fortran else "C", "array")
 
 
 def _reconstruct_ndarray(subtype, shape, typecode):
     # numpy always pickles `_reconstruct(ndarray, (0,), b'b')`, then fills the array in BUILD.
-    if subtype is not np.ndarray:
-        raise UnsafeCheckpointError(f"array reconstruction of type {subtype!r} refused (only numpy.ndarray)")
-    if tuple(shape) != (0,):
-        raise CheckpointFormatError(f"array reconstruction with initial shape {shape!r}, expected (0,)")
-    return _NUMPY_RECONSTRUCT(np.ndarray, (0,), typecode)
+    if subtype is not _NDARRAY:
+        raise UnsafeCheckpointError(f"array reconstruction of type {_describe(subtype)} refused (only numpy.ndarray)")
+    if shape != (0,) or typecode != b"b":
+        raise CheckpointFormatError(f"array reconstruction with {_describe(shape)}, {_describe(typecode)}; "
+                                    "expected (0,), b'b'")
+    return _PickledArray()
 
 
 def _numpy_scalar(dtype, data=None):
-    if not isinstance(dtype, np.dtype):
-        raise CheckpointFormatError(f"numpy scalar with dtype argument of type {type(dtype).__name__}")
-    _check_dtype(dtype)
-    return _NUMPY_SCALAR(dtype, data) if data is not None else _NUMPY_SCALAR(dtype)
+    dtype = _resolve_dtype(dtype, "numpy scalar")
+    return _array_from_bytes(data, dtype, (), "C", "numpy scalar")[()]
 
 
 def _array_from_buffer(buffer, dtype, shape, order):
-    if not isinstance(dtype, np.dtype):
-        raise CheckpointFormatError(f"array buffer with dtype argument of type {type(dtype).__name__}")
-    _check_dtype(dtype)
-    return _NUMPY_FROMBUFFER(buffer, dtype, shape, order)
+    # Protocol 5: `_frombuffer(buffer, dtype, shape, order)`, the buffer in band.
+    if isinstance(buffer, pickle.PickleBuffer):
+        buffer = bytes(buffer)
+    return _array_from_bytes(buffer, _resolve_dtype(dtype, "array buffer"), _checked_shape(shape, "array buffer"),
+                             order, "array buffer")
 
 
 def _jax_array_as_numpy(fun, args, array_state, aval_state):
     # A jax array pickles as `_reconstruct_array(numpy's _reconstruct, args, state, aval)`: rebuild
     # the numpy value it wraps; the aval (weak-type flag) means nothing outside jax.
-    if fun is not _reconstruct_ndarray:
-        raise UnsafeCheckpointError(f"jax array rebuilt through {fun!r} refused (only numpy's array reconstruction)")
-    array = fun(*args)
-    array.__setstate__(array_state)
-    return array
+    if fun is not _reconstruct_ndarray or not isinstance(args, tuple) or len(args) != 3:
+        raise UnsafeCheckpointError(f"jax array rebuilt through {_describe(fun)} refused (only numpy's array reconstruction)")
+    pending = fun(*args)
+    pending.__setstate__(array_state)
+    return pending.array
 
 
 def _latin1_encode(text, encoding="latin1"):
@@ -154,6 +253,13 @@ def _reconstruct_plain_object(cls, base, state):
     if cls is not _SavedTransformerConfig or base is not object or state is not None:
         raise UnsafeCheckpointError(f"copyreg._reconstructor({cls!r}, {base!r}, ...) refused")
     return object.__new__(cls)
+
+
+def _bytearray(source=b""):
+    # Protocols 2-4 spell a bytearray `bytearray(b"...")`; a size argument would allocate unbounded.
+    if not isinstance(source, (bytes, bytearray)):
+        raise UnsafeCheckpointError(f"bytearray({_describe(source)}) refused (only a copy of pickled bytes)")
+    return bytearray(source)
 
 
 def _bfloat16():
@@ -171,8 +277,8 @@ _ALLOWED_GLOBALS = {
     ("numpy._core.multiarray", "scalar"): lambda: _numpy_scalar,
     ("numpy.core.numeric", "_frombuffer"): lambda: _array_from_buffer,
     ("numpy._core.numeric", "_frombuffer"): lambda: _array_from_buffer,
-    ("numpy", "ndarray"): lambda: np.ndarray,
-    ("numpy", "dtype"): lambda: _make_dtype,
+    ("numpy", "ndarray"): lambda: _NDARRAY,
+    ("numpy", "dtype"): lambda: _PickledDtype,
     ("ml_dtypes", "bfloat16"): _bfloat16,
     ("jax._src.array", "_reconstruct_array"): lambda: _jax_array_as_numpy,
     NEEDLE_CONFIG_GLOBAL: lambda: _SavedTransformerConfig,
@@ -186,27 +292,143 @@ _ALLOWED_GLOBALS = {
     ("__builtin__", "set"): lambda: set,
     ("builtins", "frozenset"): lambda: frozenset,
     ("__builtin__", "frozenset"): lambda: frozenset,
-    ("builtins", "bytearray"): lambda: bytearray,
-    ("__builtin__", "bytearray"): lambda: bytearray,
+    ("builtins", "bytearray"): lambda: _bytearray,
+    ("__builtin__", "bytearray"): lambda: _bytearray,
     ("builtins", "complex"): lambda: complex,
     ("__builtin__", "complex"): lambda: complex,
 }
 
 
-class _CheckpointUnpickler(pickle.Unpickler):
-    """An unpickler that resolves only the allow-listed globals above."""
+class _BoundedReader:
+    """The checkpoint file as the unpickler reads it: a read of more bytes than the file has left is
+    an error before anything is allocated for it (a length field is otherwise trusted)."""
+
+    def __init__(self, stream, size: int):
+        self._stream, self._size = stream, size
+
+    def remaining(self) -> int:
+        return self._size - self._stream.tell()
+
+    def _check(self, count: int):
+        if count > self.remaining():
+            raise CheckpointFormatError(
+                f"a length field at offset {self._stream.tell()} asks for {count} bytes, only {self.remaining()} remain; "
+                "the file is truncated or corrupt"
+            )
+
+    def read(self, count: int = -1) -> bytes:
+        if count is not None and count >= 0:
+            self._check(count)
+        return self._stream.read(count)
+
+    def readinto(self, buffer) -> int:
+        self._check(len(buffer))
+        return self._stream.readinto(buffer)
+
+    def readline(self) -> bytes:
+        return self._stream.readline()
+
+
+class _CheckpointUnpickler(pickle._Unpickler):
+    """An unpickler that resolves only the allow-listed globals above.
+
+    The pure-Python unpickler, not the C one: its memo is a dict, so a huge memo index costs
+    nothing (the C unpickler grows an array to the index), and its opcodes can be overridden where
+    one would allocate a size read from the file before reading the bytes.
+    """
+
+    dispatch = dict(pickle._Unpickler.dispatch)
+
+    def __init__(self, reader: _BoundedReader):
+        super().__init__(reader)
+        self._reader = reader
 
     def find_class(self, module, name):
-        factory = _ALLOWED_GLOBALS.get((module, name))
+        factory = _ALLOWED_GLOBALS.get((module, name)) if isinstance(module, str) and isinstance(name, str) else None
         if factory is None:
             raise UnsafeCheckpointError(
-                f"checkpoint references the global {module}.{name}, which a Needle checkpoint never holds; "
-                "refusing to load it (loading it could run arbitrary code)"
+                f"checkpoint references the global {_describe(module)[1:-1]}.{_describe(name)[1:-1]}, which a Needle "
+                "checkpoint never holds; refusing to load it (loading it could run arbitrary code)"
             )
         return factory()
 
     def persistent_load(self, pid):
-        raise UnsafeCheckpointError(f"checkpoint uses a persistent id ({pid!r}); Needle checkpoints have none")
+        raise UnsafeCheckpointError(f"checkpoint uses a persistent id ({_describe(pid)}); Needle checkpoints have none")
+
+    def load_bytearray8(self):
+        (size,) = struct.unpack("<Q", self.read(8))
+        if self._unframer.current_frame is None:
+            self._reader._check(size)
+        elif size > len(self._unframer.current_frame.getbuffer()):
+            raise CheckpointFormatError(f"a BYTEARRAY8 of {size} bytes does not fit its frame")
+        buffer = bytearray(size)
+        self.readinto(buffer)
+        self.append(buffer)
+
+    dispatch[pickle.BYTEARRAY8[0]] = load_bytearray8
+
+
+# Bounds on the unpickled structure: deeper nesting than any checkpoint has (a cycle counts as
+# infinitely deep), and a node count that also bounds what a web of shared lists expands to.
+MAX_NESTING_DEPTH = 64
+MAX_METADATA_NODES = 1_000_000
+
+
+def _children(value, path: str = "") -> list[tuple[str, object]]:
+    """(path, child) for each value inside a container."""
+    if isinstance(value, dict):
+        return [(f"{path}/{key}" if isinstance(key, str) else path, item) for key, item in value.items()]
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [(path, item) for item in value]
+    if isinstance(value, _SavedTransformerConfig):
+        return [(path, getattr(value, "fields", {}))]
+    return []
+
+
+def _check_structure(value, path: str, sizes: dict[int, int], depth: int = 0) -> int:
+    """The number of values `value` expands to (a shared value counts each time it is reached, as a
+    serialiser would write it), computed once per distinct object; refuses deep or circular nesting."""
+    if depth > MAX_NESTING_DEPTH:
+        raise CheckpointFormatError(f"{path}: nested deeper than {MAX_NESTING_DEPTH} levels (or circular)")
+    known = sizes.get(id(value))
+    if known is not None:
+        return known
+    total = 1
+    children = _children(value, path)
+    for child_path, child in children:
+        total += _check_structure(child, child_path, sizes, depth + 1)
+        if total > MAX_METADATA_NODES:
+            raise CheckpointFormatError(f"{path}: more than {MAX_METADATA_NODES} values (counting shared ones each time)")
+    if children:
+        sizes[id(value)] = total
+    return total
+
+
+def _finish(value, path: str, done: dict[int, object]):
+    """Replace the unpickling stand-ins by their values (arrays, dtypes); a shared container is
+    rebuilt once and stays shared, so the result costs what the file held."""
+    if isinstance(value, _PickledArray):
+        if value.array is None:
+            raise CheckpointFormatError(f"{path}: an array whose data was never given")
+        return value.array
+    if isinstance(value, _PickledDtype):
+        return value.dtype
+    if not isinstance(value, (dict, list, tuple, set, frozenset, _SavedTransformerConfig)):
+        return value
+    if id(value) in done:
+        return done[id(value)]
+    if isinstance(value, _SavedTransformerConfig):
+        value.fields = _finish(getattr(value, "fields", {}), path, done)
+        result = value
+    elif isinstance(value, dict):
+        result = {key: _finish(item, f"{path}/{key}" if isinstance(key, str) else path, done)
+                  for key, item in value.items()}
+    elif isinstance(value, list):
+        result = [_finish(item, path, done) for item in value]
+    else:
+        result = type(value)(_finish(item, path, done) for item in value)
+    done[id(value)] = result
+    return result
 
 
 # --------------------------------------------------------------------------------------------------
@@ -214,11 +436,14 @@ class _CheckpointUnpickler(pickle.Unpickler):
 
 
 def looks_like_pickle(header: bytes) -> bool:
-    """Whether `header` (the first bytes of a file) starts a pickle of protocol 2 or later.
+    """Whether `header` (the first bytes of a file, at least 3) starts a pickled dict.
 
-    Python 3 writes protocol >= 2 by default, and such a pickle opens with the PROTO opcode.
+    Protocol >= 2 opens with the PROTO opcode; a dict pickled with protocol 0 opens with MARK and
+    DICT ("(dp"), with protocol 1 with EMPTY_DICT and a memo PUT or a MARK ("}q", "}r", "}(").
     """
-    return len(header) >= 2 and header[0] == 0x80 and 2 <= header[1] <= pickle.HIGHEST_PROTOCOL
+    if len(header) >= 2 and header[0] == 0x80:
+        return 2 <= header[1] <= pickle.HIGHEST_PROTOCOL
+    return header[:3] == b"(dp" or header[:2] in (b"}q", b"}r", b"}(")
 
 
 def is_native_checkpoint(path) -> bool:
@@ -227,41 +452,43 @@ def is_native_checkpoint(path) -> bool:
     if not path.is_file():
         return False
     with open(path, "rb") as f:
-        return looks_like_pickle(f.read(2))
+        return looks_like_pickle(f.read(3))
 
 
 def _unpickle(path: Path):
     # Unpickled from the open file, not from its bytes in memory: a checkpoint's arrays then cost
     # their own size once, not twice.
     with open(path, "rb") as stream:
-        head = stream.read(2)
+        size = os.fstat(stream.fileno()).st_size
+        head = stream.read(8)
         if not head:
             raise CheckpointFormatError(f"{path}: empty file, not a native Needle checkpoint")
-        # The top level must be a dict: protocol >= 2 starts with PROTO, protocol 0 with MARK ("(dp0"),
-        # protocol 1 with EMPTY_DICT.
-        if not (looks_like_pickle(head) or head[:1] in (b"(", b"}")):
-            head += stream.read(6)
+        if not looks_like_pickle(head):
             raise CheckpointFormatError(
-                f"{path}: not a pickle (starts with bytes {head.hex(' ')}), not a native Needle checkpoint"
+                f"{path}: not a pickle of a dict (starts with bytes {head.hex(' ')}), not a native Needle checkpoint"
             )
         stream.seek(0)
         try:
-            obj = _CheckpointUnpickler(stream).load()
+            obj = _CheckpointUnpickler(_BoundedReader(stream, size)).load()
+            _check_structure(obj, "checkpoint", {})
+            obj = _finish(obj, "checkpoint", {})
         except CheckpointFormatError as error:
             raise type(error)(f"{path}: {error}") from None
+        except MemoryError:
+            raise CheckpointFormatError(f"{path}: unpickling ran out of memory; the file is corrupt") from None
         except Exception as error:  # a damaged pickle fails in many ways (EOFError, UnpicklingError, ...)
             raise CheckpointFormatError(
-                f"{path}: cannot unpickle ({type(error).__name__}: {error}); the file is truncated or corrupt"
-            ) from error
+                f"{path}: cannot unpickle ({type(error).__name__}: {_describe(str(error))[1:-1]}); "
+                "the file is truncated or corrupt"
+            ) from None
         end = stream.tell()
-        trailing = os.fstat(stream.fileno()).st_size - end
-    if trailing:
-        raise CheckpointFormatError(f"{path}: {trailing} unexpected byte(s) after the end of the pickle at offset {end}")
+    if size - end:
+        raise CheckpointFormatError(f"{path}: {size - end} unexpected byte(s) after the end of the pickle at offset {end}")
     return obj
 
 
 def _check_params(tree, where: str = "params") -> dict:
-    """Validate a nested dict of float arrays; numpy scalars become 0-d arrays."""
+    """Validate a nested dict of finite float arrays; numpy scalars become 0-d arrays."""
     if not isinstance(tree, dict):
         raise CheckpointFormatError(f"{where}: expected a dict of parameters, got {type(tree).__name__}")
     if not tree:
@@ -269,7 +496,7 @@ def _check_params(tree, where: str = "params") -> dict:
     out = {}
     for key, value in tree.items():
         if not isinstance(key, str):
-            raise CheckpointFormatError(f"{where}: parameter names must be strings, got {key!r}")
+            raise CheckpointFormatError(f"{where}: parameter names must be strings, got {_describe(key)}")
         path = f"{where}/{key}"
         if isinstance(value, dict):
             out[key] = _check_params(value, path)
@@ -280,6 +507,11 @@ def _check_params(tree, where: str = "params") -> dict:
             raise CheckpointFormatError(f"{path}: expected a numpy array, got {type(value).__name__}")
         if not (np.issubdtype(value.dtype, np.floating) or value.dtype.name == "bfloat16"):
             raise CheckpointFormatError(f"{path}: expected a floating-point array, got dtype {value.dtype}")
+        finite = np.isfinite(value)
+        if not finite.all():
+            bad = int(finite.size - np.count_nonzero(finite))
+            raise CheckpointFormatError(f"{path}: {bad} non-finite value(s) (NaN or Inf) of {value.size}; "
+                                        "expected finite weights")
         out[key] = value
     return out
 

@@ -54,12 +54,28 @@ CHAT_MARKERS = (
     TOOL_CALL_START, TOOL_CALL_END, TOOL_RESULT_START, TOOL_RESULT_END,
 )
 FIRST_CHAT_MARKER_ID = 4
+#: What the template writes after a "<" of message text that would otherwise start a marker or a
+#: special token's text (or that is followed by this character already); the tokenizer's normaliser
+#: takes it out again after matching the markers, so message text is encoded as its own characters
+#: and never as a control token. A Unicode noncharacter, reserved for such internal use.
+MESSAGE_TEXT_ESCAPE = "\ufdd0"
 
 # Written for transformers' chat-template environment (4.57 and 5.x): it provides a `tojson`
 # filter that is Python's json.dumps (ensure_ascii=False by default) and accepts `separators`,
 # plus `raise_exception` and the `{% generation %}` tag. The environment trims blocks, and every
 # tag below also uses `-` so no template whitespace leaks into the prompt.
-NEEDLE_CHAT_TEMPLATE = r"""
+_TEMPLATE = r"""
+{%- macro escaped(text) -%}
+    {#- Message text never spells a marker: "<" + ESCAPE before each would-be marker (see MESSAGE_TEXT_ESCAPE). -#}
+    {%- set esc = "@ESCAPE@" -%}
+    {%- set literals = @MARKERS@ + [bos_token, eos_token, unk_token, pad_token] | select("string") | list -%}
+    {%- set ns = namespace(text=(text | string) | replace("<" ~ esc, "<" ~ esc ~ esc)) -%}
+    {%- for literal in literals if literal.startswith("<") -%}
+        {%- set ns.text = ns.text | replace(literal, "<" ~ esc ~ literal[1:]) -%}
+    {%- endfor -%}
+    {{- ns.text -}}
+{%- endmacro -%}
+
 {%- macro text_of(content) -%}
     {%- if content is string -%}
         {{- content -}}
@@ -138,9 +154,9 @@ NEEDLE_CHAT_TEMPLATE = r"""
 
 {{- bos_token -}}
 {%- if state.system -%}
-    {{- "<|im_start|>system\n" + state.system + "<|im_end|>\n" -}}
+    {{- "<|im_start|>system\n" + escaped(state.system) + "<|im_end|>\n" -}}
 {%- endif -%}
-{{- "<|im_start|>user\n<tools>" + tools_json(tools) + "</tools>\n" + state.query + "<|im_end|>\n" -}}
+{{- "<|im_start|>user\n<tools>" + escaped(tools_json(tools)) + "</tools>\n" + escaped(state.query) + "<|im_end|>\n" -}}
 {%- if state.answer is not none or add_generation_prompt -%}
     {{- "<|im_start|>assistant\n" -}}
 {%- endif -%}
@@ -149,9 +165,12 @@ NEEDLE_CHAT_TEMPLATE = r"""
     {%- generation -%}
         {{- " " -}}
         {%- if reasoning -%}
-            {{- "<think>\n" + reasoning + "\n</think>\n" -}}
+            {{- "<think>\n" + escaped(reasoning) + "\n</think>\n" -}}
         {%- endif -%}
-        {{- "<tool_call>" + calls_json(state.answer["tool_calls"]) + "</tool_call><|im_end|>" + eos_token -}}
+        {{- "<tool_call>" + escaped(calls_json(state.answer["tool_calls"])) + "</tool_call><|im_end|>" + eos_token -}}
     {%- endgeneration -%}
 {%- endif -%}
 """
+NEEDLE_CHAT_TEMPLATE = _TEMPLATE.replace("@ESCAPE@", MESSAGE_TEXT_ESCAPE).replace(
+    "@MARKERS@", "[" + ", ".join(f'"{marker}"' for marker in CHAT_MARKERS) + "]"
+)

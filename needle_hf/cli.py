@@ -202,15 +202,32 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# What a subcommand raises for bad input or an unreachable service: every reader, converter and
+# the push report bad input as a ValueError subclass whose message names the file, tensor or field;
+# OSError covers missing files and permissions; RecursionError and MemoryError are last-resort
+# guards (the readers bound nesting and allocation themselves). Anything else is a bug and keeps
+# its traceback.
+INPUT_ERRORS = (ValueError, OSError, RecursionError, MemoryError)
+MAX_ERROR_CHARS = 2000
+
+
+def error_line(command: str, error: BaseException) -> str:
+    """The one line printed for a failed subcommand."""
+    text = " ".join(str(error).split()) or type(error).__name__
+    if isinstance(error, (RecursionError, MemoryError)):
+        text = f"{type(error).__name__}: the input is nested too deeply or too large ({text})"
+    if len(text) > MAX_ERROR_CHARS:
+        text = text[:MAX_ERROR_CHARS] + "..."
+    return f"needle-hf {command}: error: {text}"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one subcommand; returns the exit status (argparse exits with 2 on a usage error)."""
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)
-    except (ValueError, OSError) as error:
-        # Every reader and converter reports bad input as a ValueError subclass with a message
-        # naming the problem; OSError covers missing files and permissions.
-        print(f"needle-hf {args.command}: error: {error}", file=sys.stderr, flush=True)
+    except INPUT_ERRORS as error:
+        print(error_line(args.command, error), file=sys.stderr, flush=True)
         return 1
 
 

@@ -4,6 +4,8 @@ This file is also written next to saved weights as remote code for users who loa
 ``trust_remote_code=True``; its only package import (remote_code.py, when saving) travels with it.
 """
 
+import math
+
 from transformers import PretrainedConfig
 
 # Number of taps in each engram's dilated causal convolution (fixed by the architecture).
@@ -59,6 +61,52 @@ NATIVE_DEFAULTS = {
     "act_bits": 8,
     "weight_bits": "",
 }
+
+
+# Upper bounds on every size field: far above any Needle model, low enough that nothing sized by a
+# field (a weight table, a shape check, an allocation) can exhaust memory before the weights are read.
+MAX_FIELD_VALUE = 1 << 24
+MAX_LIST_FIELD_LENGTH = 64
+
+
+def _shown(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:40]}... ({type(value).__name__})"
+
+
+def _integer(name, value, *, minimum, maximum=MAX_FIELD_VALUE) -> int:
+    """`value` as an int in [minimum, maximum]; a bool, a fraction, text, None or a list is an error."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) and not type(value).__name__.startswith(("int", "uint")):
+        raise ValueError(f"Invalid NeedleConfig: {name} must be an integer, got {_shown(value)}")
+    value = int(value)
+    if not minimum <= value <= maximum:
+        raise ValueError(f"Invalid NeedleConfig: {name} must be in [{minimum}, {maximum}], got {value}")
+    return value
+
+
+def _integers(name, values, *, minimum) -> list[int]:
+    if isinstance(values, (str, bytes)) or not isinstance(values, (list, tuple)) or len(values) > MAX_LIST_FIELD_LENGTH:
+        raise ValueError(f"Invalid NeedleConfig: {name} must be a list of at most {MAX_LIST_FIELD_LENGTH} integers, "
+                         f"got {_shown(values)}")
+    return [_integer(f"{name}[{index}]", value, minimum=minimum) for index, value in enumerate(values)]
+
+
+def _real(name, value) -> float:
+    """A finite positive float (a NaN or Inf would also make config.json invalid JSON)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) and not type(value).__name__.startswith("float"):
+        raise ValueError(f"Invalid NeedleConfig: {name} must be a number, got {_shown(value)}")
+    value = float(value)
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"Invalid NeedleConfig: {name} must be a finite positive number, got {value}")
+    return value
+
+
+def _flag(name, value) -> bool:
+    if not isinstance(value, bool) and value not in (0, 1):
+        raise ValueError(f"Invalid NeedleConfig: {name} must be true or false, got {_shown(value)}")
+    return bool(value)
 
 
 class NeedleConfig(PretrainedConfig):
@@ -141,29 +189,34 @@ class NeedleConfig(PretrainedConfig):
         tie_word_embeddings=True,
         **kwargs,
     ):
-        self.vocab_size = int(vocab_size)
-        self.hidden_size = int(hidden_size)
-        self.attention_dim = int(attention_dim or hidden_size)
-        self.num_attention_heads = int(num_attention_heads)
-        self.num_key_value_heads = int(num_key_value_heads)
-        self.num_hidden_layers = int(num_hidden_layers)
-        self.max_position_embeddings = int(max_position_embeddings)
-        self.rope_theta = float(rope_theta)
-        self.rms_norm_eps = float(rms_norm_eps)
-        self.engram_orders = [int(o) for o in engram_orders]
-        self.engram_heads = int(engram_heads)
-        self.engram_slots = int(engram_slots)
-        self.engram_layers = [int(layer) for layer in engram_layers]
-        self.hyper_connection_lanes = int(hyper_connection_lanes)
-        self.contrastive_dim = int(contrastive_dim)
-        self.use_mtp_head = bool(use_mtp_head)
-        self.use_contrastive_head = bool(use_contrastive_head)
-        self.use_confidence_head = bool(use_confidence_head)
-        self.kv_window = int(kv_window)
-        self.kv_bits = int(kv_bits)
-        self.act_bits = int(act_bits)
-        self.weight_bits = str(weight_bits or "")
-        self.initializer_range = float(initializer_range)
+        self.vocab_size = _integer("vocab_size", vocab_size, minimum=1)
+        self.hidden_size = _integer("hidden_size", hidden_size, minimum=1)
+        self.attention_dim = _integer("attention_dim", attention_dim or hidden_size, minimum=1)
+        self.num_attention_heads = _integer("num_attention_heads", num_attention_heads, minimum=1)
+        self.num_key_value_heads = _integer("num_key_value_heads", num_key_value_heads, minimum=1)
+        self.num_hidden_layers = _integer("num_hidden_layers", num_hidden_layers, minimum=1)
+        self.max_position_embeddings = _integer("max_position_embeddings", max_position_embeddings, minimum=1)
+        self.rope_theta = _real("rope_theta", rope_theta)
+        self.rms_norm_eps = _real("rms_norm_eps", rms_norm_eps)
+        self.engram_orders = _integers("engram_orders", engram_orders, minimum=1)
+        self.engram_heads = _integer("engram_heads", engram_heads, minimum=0)
+        self.engram_slots = _integer("engram_slots", engram_slots, minimum=1)
+        self.engram_layers = _integers("engram_layers", engram_layers, minimum=0)
+        self.hyper_connection_lanes = _integer("hyper_connection_lanes", hyper_connection_lanes, minimum=1)
+        self.contrastive_dim = _integer("contrastive_dim", contrastive_dim, minimum=1)
+        self.use_mtp_head = _flag("use_mtp_head", use_mtp_head)
+        self.use_contrastive_head = _flag("use_contrastive_head", use_contrastive_head)
+        self.use_confidence_head = _flag("use_confidence_head", use_confidence_head)
+        self.kv_window = _integer("kv_window", kv_window, minimum=0)
+        self.kv_bits = _integer("kv_bits", kv_bits, minimum=1)
+        self.act_bits = _integer("act_bits", act_bits, minimum=1)
+        if weight_bits is not None and not isinstance(weight_bits, str):
+            raise ValueError(f"Invalid NeedleConfig: weight_bits must be a string, got {_shown(weight_bits)}")
+        self.weight_bits = weight_bits or ""
+        self.initializer_range = _real("initializer_range", initializer_range)
+        for name, token in (("pad_token_id", pad_token_id), ("bos_token_id", bos_token_id), ("eos_token_id", eos_token_id)):
+            if token is not None:
+                _integer(name, token, minimum=0, maximum=self.vocab_size - 1)
         if not tie_word_embeddings:
             raise ValueError("Needle ties its output head to the token embedding: tie_word_embeddings must be True")
         super().__init__(

@@ -28,12 +28,14 @@ from huggingface_hub import HfApi
 
 from . import __version__
 from .configuration_needle import NeedleConfig
-from .conversion.export import check_names_and_shapes, read_hf_config, weight_files
+from .conversion.export import check_names_and_shapes, read_hf_config, safetensors_layout, weight_files
 from .model_card import folder_model_card
 from .remote_code import AUTO_MAP, remote_code_files
+from .tokenization_needle import read_tokenizer_file
 
 DEFAULT_BRANCH = "main"
 README_NAME = "README.md"
+TOKENIZER_FILE = "tokenizer.json"
 COMMIT_ID = re.compile(r"[0-9a-f]{40}")
 # The Auto classes a pushed repository must map to shipped code: what `AutoConfig` and
 # `AutoModelForCausalLM.from_pretrained(..., trust_remote_code=True)` and the pipeline need.
@@ -45,16 +47,33 @@ class PushError(ValueError):
     """The folder is not a complete Needle folder, or the push target is invalid; nothing was uploaded."""
 
 
-def _tensor_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
-    """Tensor name -> shape over the folder's weight files, from the safetensors headers only."""
-    from safetensors import safe_open
+class HubPushError(PushError):
+    """The Hub refused the push or could not be reached; the message names the endpoint, the repository
+    and what to do. The push is one commit, so the repository holds all of the folder or none of it."""
 
-    shapes = {}
-    for path in weight_files(folder):
-        with safe_open(str(path), framework="numpy") as handle:
-            for name in handle.keys():
-                shapes[name] = tuple(handle.get_slice(name).get_shape())
-    return shapes
+
+def _hub_failure(error: Exception, *, endpoint: str, repo_id: str, revision: str | None) -> HubPushError:
+    """One line for a failed Hub call: which endpoint, which repository, and what to do."""
+    from huggingface_hub.errors import HfHubHTTPError, HFValidationError, RepositoryNotFoundError, RevisionNotFoundError
+
+    target = f"{repo_id}@{revision or DEFAULT_BRANCH} on {endpoint}"
+    status = getattr(getattr(error, "response", None), "status_code", None)
+    if isinstance(error, HFValidationError):
+        advice = f"invalid repository or branch name ({' '.join(str(error).split())[:160]})"
+    elif isinstance(error, RepositoryNotFoundError) and status not in (401, 403):
+        advice = "the repository does not exist and could not be created; check the name and your organisation rights"
+    elif isinstance(error, RevisionNotFoundError):
+        advice = f"the branch {revision!r} does not exist and could not be created from {DEFAULT_BRANCH}"
+    elif status in (401, 403):
+        advice = (f"the Hub refused the credentials (HTTP {status}); log in with `hf auth login` or set HF_TOKEN "
+                  "to a token with write access to this repository")
+    elif isinstance(error, HfHubHTTPError):
+        server = " ".join(str(error).split())[:160]
+        advice = f"the Hub rejected the upload (HTTP {status or '?'}: {server}); nothing was committed, try again"
+    else:
+        advice = (f"cannot reach the Hub ({type(error).__name__}); check the network and HF_ENDPOINT, "
+                  "then push again (nothing was committed)")
+    return HubPushError(f"push to {target} failed: {advice}")
 
 
 def check_folder(folder: str | os.PathLike) -> NeedleConfig:
@@ -70,7 +89,9 @@ def check_folder(folder: str | os.PathLike) -> NeedleConfig:
     if not folder.is_dir():
         raise PushError(f"{folder} is not a folder; expected a saved Hugging Face Needle folder")
     config = read_hf_config(folder)
-    check_names_and_shapes(_tensor_shapes(folder), config, where=str(folder))
+    check_names_and_shapes(safetensors_layout(weight_files(folder))[0], config, where=str(folder))
+    if (folder / TOKENIZER_FILE).is_file():
+        read_tokenizer_file(folder / TOKENIZER_FILE)
     auto_map = json.loads((folder / "config.json").read_text(encoding="utf-8")).get("auto_map") or {}
     absent = [auto_class for auto_class in REQUIRED_AUTO_CLASSES if auto_class not in auto_map]
     if absent:
@@ -127,19 +148,29 @@ def push_folder(
     check_folder(folder)
 
     api = HfApi(endpoint=endpoint, token=token)
-    repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
-    if revision not in (None, DEFAULT_BRANCH):
-        api.create_branch(repo_id, branch=revision, exist_ok=True)
     readme = folder / README_NAME
-    if not readme.exists():
-        card = folder_model_card(folder, repo_id=repo_id, base_model=base_model)
-        readme.write_text(str(card), encoding="utf-8")
-    commit = api.upload_folder(
-        repo_id=repo_id,
-        folder_path=folder,
-        revision=revision,
-        commit_message=commit_message or f"Upload Needle 2 model (needle-hf {__version__})",
-    )
+    wrote_readme = False
+    try:
+        repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
+        if revision not in (None, DEFAULT_BRANCH):
+            api.create_branch(repo_id, branch=revision, exist_ok=True)
+        if not readme.exists():
+            card = folder_model_card(folder, repo_id=repo_id, base_model=base_model)
+            readme.write_text(str(card), encoding="utf-8")
+            wrote_readme = True
+        # One commit: every file or none of them lands on the Hub.
+        commit = api.upload_folder(
+            repo_id=repo_id,
+            folder_path=folder,
+            revision=revision,
+            commit_message=commit_message or f"Upload Needle 2 model (needle-hf {__version__})",
+        )
+    except (OSError, ValueError) as error:  # requests' and huggingface_hub's errors derive from these
+        if wrote_readme:
+            readme.unlink(missing_ok=True)  # a failed push leaves the folder as it was
+        if not type(error).__module__.startswith(("huggingface_hub", "requests", "urllib3")):
+            raise
+        raise _hub_failure(error, endpoint=api.endpoint, repo_id=repo_id, revision=revision) from None
     return commit.oid
 
 
@@ -200,6 +231,7 @@ def push_converted_folder(args: argparse.Namespace, out_dir) -> str | None:
 
 
 __all__ = [
+    "HubPushError",
     "PUSH_HELP",
     "PushError",
     "add_convert_push_arguments",

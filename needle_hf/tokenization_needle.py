@@ -23,6 +23,9 @@ How SentencePiece's behaviour maps onto the `tokenizers` pipeline:
     their literal text ("<s>", "</s>", ...) inside an input is read as the token (the chat
     template relies on it to write BOS and EOS); pass `split_special_tokens=True` to encode such
     text the way SentencePiece does.
+  - Message text in the chat template never becomes a marker or a special token: the template
+    escapes it and the normaliser undoes the escape after matching (see `normalizer`); the ids of
+    marker-free text are SentencePiece's.
   - No pre-tokeniser: SentencePiece runs BPE over each stretch between markers as a whole.
   - BPE: the model's vocabulary, with merges derived from the piece scores. SentencePiece merges,
     at each step, the adjacent pair whose concatenation is the highest-scoring normal piece;
@@ -43,10 +46,13 @@ from collections.abc import Mapping
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, processors
 
-from .chat_template import CHAT_MARKERS, FIRST_CHAT_MARKER_ID, NEEDLE_CHAT_TEMPLATE
+from .chat_template import CHAT_MARKERS, FIRST_CHAT_MARKER_ID, MESSAGE_TEXT_ESCAPE, NEEDLE_CHAT_TEMPLATE
 
 PAD_ID, EOS_ID, BOS_ID, UNK_ID = 0, 1, 2, 3
 SPACE_SYMBOL = "\u2581"  # "▁", SentencePiece's escaped space
+# A raw space: no normalised text holds one, so "<marker>" written by the template (matched as
+# " <marker>") can never be spelled by message text.
+MARKER_MATCH_PREFIX = " "
 NUM_BYTE_PIECES = 256
 _PORTABLE_TOKENIZER_CLASS = "PreTrainedTokenizerFast"
 
@@ -255,28 +261,48 @@ class NeedleTokenizerConverter:
         return [piece for piece, kind in zip(self.table.pieces, self.table.types) if kind == PieceType.USER_DEFINED]
 
     def normalizer(self):
-        """Escape spaces as "▁" and prepend the dummy-prefix "▁" to the whole text.
+        """Escape spaces as "▁", prepend the dummy-prefix "▁", and tell template markers from message text.
 
         `tokenizers` normalises the text of `normalized=True` added tokens with this same
-        normaliser before matching them, so the prefix must not reach a marker's own text: the
-        last step removes a "▁" that stands in front of nothing but one marker. (Hence a text
-        that *is* exactly one marker encodes as just that marker, where SentencePiece would
-        emit "▁" first; every longer text gets SentencePiece's ids.)
+        normaliser before matching them, so the prefix must not reach a marker's own text: a "▁"
+        that stands in front of nothing but one marker is removed. (Hence a text that *is*
+        exactly one marker encodes as just that marker, where SentencePiece would emit "▁"
+        first; every longer text gets SentencePiece's ids.)
+
+        Message text cannot produce a marker (see `chat_template.MESSAGE_TEXT_ESCAPE`): each marker
+        in the text is matched in the form " <marker>", with a raw space that no normalised text
+        holds (spaces are "▁" by then), and only the raw markers get it. The chat template writes
+        "<" + ESCAPE where message text has a "<" that starts a marker or a special token's text, or
+        is followed by ESCAPE already; the last step takes one ESCAPE out after each such "<", so the
+        message text is tokenized as exactly its own characters, as ordinary text.
         """
         escape_spaces = normalizers.Replace(" ", SPACE_SYMBOL)
-        if not self.table.add_dummy_prefix:
-            return escape_spaces
-        lone_marker = "|".join(re.escape(piece) for piece in self.user_defined_pieces())
-        # Oniguruma (Ruby syntax): \A and \z anchor the whole string; ^ and $ would match at lines.
-        prefix_before_lone_marker = Regex(rf"\A{SPACE_SYMBOL}(?=(?:{lone_marker})\z)")
-        return normalizers.Sequence([
-            normalizers.Prepend(SPACE_SYMBOL),
-            escape_spaces,
-            normalizers.Replace(prefix_before_lone_marker, ""),
-        ])
+        steps = []
+        if self.table.add_dummy_prefix:
+            lone_marker = "|".join(re.escape(piece) for piece in self.user_defined_pieces())
+            # Oniguruma (Ruby syntax): \A and \z anchor the whole string; ^ and $ would match at lines.
+            prefix_before_lone_marker = Regex(rf"\A{SPACE_SYMBOL}(?=(?:{lone_marker})\z)")
+            steps += [normalizers.Prepend(SPACE_SYMBOL), escape_spaces,
+                      normalizers.Replace(prefix_before_lone_marker, "")]
+        else:
+            steps.append(escape_spaces)
+        steps += [normalizers.Replace(piece, MARKER_MATCH_PREFIX + piece) for piece in self.user_defined_pieces()]
+        tails = "|".join(re.escape(text[1:]) for text in self.escaped_texts())
+        steps.append(normalizers.Replace(Regex(f"<{MESSAGE_TEXT_ESCAPE}(?={MESSAGE_TEXT_ESCAPE}|{tails})"), "<"))
+        return normalizers.Sequence(steps)
+
+    def escaped_texts(self):
+        """The texts message text must not spell: the markers and the special tokens' literals."""
+        specials = [self.table.pieces[i] for i in (self.table.pad_id, self.table.eos_id, self.table.bos_id, self.table.unk_id)]
+        texts = self.user_defined_pieces() + specials
+        bad = [text for text in texts if not text.startswith("<")]
+        if bad:
+            raise TokenizerSourceError(f"tokenizer piece table: markers and special tokens must start with '<', got {bad}")
+        return texts
 
     def decoder(self):
-        steps = [decoders.Replace(SPACE_SYMBOL, " "), decoders.ByteFallback(), decoders.Fuse()]
+        # tokenizers >= 0.23 hands a matched marker to the decoder in its normalised form " <marker>".
+        steps = [decoders.Replace(MARKER_MATCH_PREFIX + "<", "<"), decoders.Replace(SPACE_SYMBOL, " "), decoders.ByteFallback(), decoders.Fuse()]
         if self.table.add_dummy_prefix:
             steps.append(decoders.Strip(content=" ", left=1, right=0))
         return decoders.Sequence(steps)
@@ -393,6 +419,34 @@ def save_fast_tokenizer(tokenizer, save_directory):
             json.dump(config, handle, indent=2, ensure_ascii=False)
             handle.write("\n")
     return written
+
+
+# A tokenizer.json far larger than Needle's (about 0.5 MB) is not one.
+MAX_TOKENIZER_JSON_BYTES = 64 << 20
+
+
+def read_tokenizer_file(path):
+    """Read a `tokenizer.json` into a `tokenizers.Tokenizer`, or raise `TokenizerSourceError` naming it.
+
+    The file is parsed as JSON first (bounded in size; nesting beyond Python's recursion limit is
+    an error), so a damaged file gets one clear message rather than the library's own error.
+    """
+    size = os.path.getsize(path)
+    if size > MAX_TOKENIZER_JSON_BYTES:
+        raise TokenizerSourceError(f"{path}: {size} bytes, more than a tokenizer.json holds ({MAX_TOKENIZER_JSON_BYTES})")
+    try:
+        with open(path, "rb") as handle:
+            text = handle.read().decode("utf-8")
+        content = json.loads(text)
+    except (UnicodeDecodeError, ValueError, RecursionError) as error:
+        raise TokenizerSourceError(f"{path}: not valid JSON ({type(error).__name__}: {str(error)[:80]})") from None
+    if not isinstance(content, dict) or not isinstance(content.get("model"), dict):
+        raise TokenizerSourceError(f"{path}: expected a tokenizer.json object with a 'model' entry")
+    try:
+        return Tokenizer.from_str(text)
+    except Exception as error:  # the library raises a bare Exception for any malformed field
+        message = " ".join(str(error).split())[:160]
+        raise TokenizerSourceError(f"{path}: not a readable tokenizer.json ({message})") from None
 
 
 def check_vocab_matches(tokenizer, vocab_size, *, source="the model config"):

@@ -64,8 +64,75 @@ def _checked_call(index, call):
     return {"name": name, "arguments": arguments}
 
 
+# Bounds on the JSON of a turn: deeper than any tool call nests, longer numbers than any argument needs.
+MAX_JSON_DEPTH = 64
+MAX_NUMBER_DIGITS = 400
+
+
+def _refuse_constant(name):
+    raise ToolCallParseError(f"tool calls hold {name}, which is not a JSON number")
+
+
+def _finite_float(text):
+    if len(text) > MAX_NUMBER_DIGITS:
+        raise ToolCallParseError(f"tool calls hold a number of {len(text)} characters (at most {MAX_NUMBER_DIGITS})")
+    value = float(text)
+    if value in (float("inf"), float("-inf")):
+        raise ToolCallParseError(f"tool calls hold the number {_excerpt(text)}, which overflows a float")
+    return value
+
+
+def _bounded_int(text):
+    if len(text) > MAX_NUMBER_DIGITS:
+        raise ToolCallParseError(f"tool calls hold a number of {len(text)} digits (at most {MAX_NUMBER_DIGITS})")
+    return int(text)
+
+
+_DECODER = json.JSONDecoder(parse_float=_finite_float, parse_int=_bounded_int, parse_constant=_refuse_constant)
+
+
+def _check_values(value, depth=0):
+    """Bounded depth, and text that is valid Unicode (no lone surrogates, which UTF-8 cannot hold)."""
+    if depth > MAX_JSON_DEPTH:
+        raise ToolCallParseError(f"tool calls nest deeper than {MAX_JSON_DEPTH} levels")
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ToolCallParseError(f"tool calls hold text with a lone surrogate: {_excerpt(value)}") from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_values(key, depth + 1)
+            _check_values(item, depth + 1)
+    elif isinstance(value, list):
+        for item in value:
+            _check_values(item, depth + 1)
+
+
+def _decode_calls(text, start):
+    """(calls, end): the JSON value at `text[start:]`; text after it (a marker too) is the caller's."""
+    while start < len(text) and text[start] in " \t\n\r":
+        start += 1
+    try:
+        calls, end = _DECODER.raw_decode(text, start)
+    except json.JSONDecodeError as error:
+        raise ToolCallParseError(f"tool calls are not valid JSON ({error}): {_excerpt(text[start:])}") from None
+    except RecursionError:
+        raise ToolCallParseError(f"tool calls nest deeper than {MAX_JSON_DEPTH} levels") from None
+    except ToolCallParseError:
+        raise
+    except ValueError as error:  # an int beyond Python's digit limit
+        raise ToolCallParseError(f"tool calls hold an unreadable number ({error})") from None
+    _check_values(calls)
+    return calls, end
+
+
 def parse_assistant_turn(text):
     """Parse a generated assistant turn into its reasoning and tool calls.
+
+    The calls' JSON is read as JSON, so argument strings may hold any text, markers included; the
+    block ends at the `</tool_call>` after the JSON value. Numbers must be finite (no NaN,
+    Infinity or 1e999) and at most 400 characters long, nesting at most 64 levels deep.
 
     Args:
         text: decoded generation, starting where the prompt (`...<|im_start|>assistant\\n`) ended.
@@ -74,28 +141,28 @@ def parse_assistant_turn(text):
         An `AssistantTurn`.
 
     Raises:
-        ToolCallParseError: no `<tool_call>` block, an unclosed block, invalid JSON, a payload
-            that is not a list of `{"name", "arguments"}` objects, or stray text around the block.
+        ToolCallParseError: text that is not a `str`, no `<tool_call>` block, an unclosed block,
+            invalid JSON, a payload that is not a list of `{"name", "arguments"}` objects, or stray
+            text around the block.
     """
-    turn = text.split(IM_END, 1)[0].strip()
-    reasoning, rest = _split_reasoning(turn)
+    if not isinstance(text, str):
+        raise ToolCallParseError(f"expected the generated text as a str, got {type(text).__name__}")
+    reasoning, rest = _split_reasoning(text.strip())
     if not rest.startswith(TOOL_CALL_START):
-        found = _excerpt(rest) if rest else "nothing"
+        found = _excerpt(rest.split(IM_END, 1)[0]) if rest.split(IM_END, 1)[0] else "nothing"
         raise ToolCallParseError(f"expected the answer to start with {TOOL_CALL_START}, found {found}")
-    end = rest.find(TOOL_CALL_END)
-    if end < 0:
+    if TOOL_CALL_END not in rest:
         raise ToolCallParseError(f"{TOOL_CALL_START} block is never closed with {TOOL_CALL_END} "
                                  f"(generation cut short?): {_excerpt(rest)}")
-    trailing = rest[end + len(TOOL_CALL_END):].strip()
+    calls, end = _decode_calls(rest, len(TOOL_CALL_START))
+    after = rest[end:].lstrip()
+    if not after.startswith(TOOL_CALL_END):
+        raise ToolCallParseError(f"expected {TOOL_CALL_END} after the tool calls' JSON, found {_excerpt(after)}")
+    trailing = after[len(TOOL_CALL_END):].split(IM_END, 1)[0].strip()
     if trailing:
         raise ToolCallParseError(f"unexpected text after {TOOL_CALL_END}: {_excerpt(trailing)}")
-    payload = rest[len(TOOL_CALL_START):end]
-    try:
-        calls = json.loads(payload)
-    except json.JSONDecodeError as error:
-        raise ToolCallParseError(f"tool calls are not valid JSON ({error}): {_excerpt(payload)}") from error
     if not isinstance(calls, list):
-        raise ToolCallParseError(f"tool calls must be a JSON list, got {type(calls).__name__}: {_excerpt(payload)}")
+        raise ToolCallParseError(f"tool calls must be a JSON list, got {type(calls).__name__}: {_excerpt(rest[:end])}")
     return AssistantTurn(tool_calls=[_checked_call(index, call) for index, call in enumerate(calls)],
                          reasoning=reasoning)
 

@@ -357,11 +357,11 @@ def test_wrong_tensor_count(good_blob, tmp_path, delta, message):
         _read_bytes(tmp_path, damaged)
 
 
-def test_dropping_the_tokenizer_from_the_count_is_a_valid_blob(good_blob, tmp_path):
-    """One record fewer is self-consistent: the same model without its tokenizer."""
+def test_a_count_one_short_does_not_drop_the_tokenizer(good_blob, tmp_path):
+    """One record fewer would leave the tokenizer's bytes unclaimed at the end: refused, not dropped."""
     data, records = good_blob
-    model = _read_bytes(tmp_path, _patched(data, 4, "<I", len(records) - 1))
-    assert model.tokenizer_table is None and model.heads == ("contrastive_head", "confidence_head")
+    with pytest.raises(CactFormatError, match=r"byte\(s\) after the last record .* num_tensors .* too small"):
+        _read_bytes(tmp_path, _patched(data, 4, "<I", len(records) - 1))
 
 
 def test_inconsistent_records_are_reported(good_blob, tmp_path):
