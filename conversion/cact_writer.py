@@ -23,8 +23,6 @@ The header's `kv_window` is the deployment window (`deployment_kv_window`), `kv_
 from __future__ import annotations
 
 import dataclasses
-import os
-import uuid
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +31,7 @@ from needle_hf.chat_template import CHAT_MARKERS
 from needle_hf.tokenization_needle import PieceTable, PieceType
 
 from . import quantize
+from .atomic_output import clean_debris, publish_file, staging_path
 from .cact import (
     _LAYER_TO_NATIVE,
     BLOB_ALIGNMENT,
@@ -261,21 +260,20 @@ def cact_bytes(params: dict, config, *, bits=4, bits_map: str | None = None, gro
 
 
 def write_atomically(path, data: bytes, *, check=None) -> Path:
-    """Write `data` to `path` through a temporary file beside it: `path` is either untouched or complete.
+    """Write `data` to `path` through a staging file beside it: `path` is either untouched or complete.
 
-    `check`, if given, is called with the temporary file's path before it replaces `path`; an
-    exception from it leaves `path` untouched.
+    `check`, if given, is called with the staged file's path before it replaces `path`; an exception
+    from it leaves `path` untouched. Staging and debris follow `atomic_output`.
     """
     path = Path(path)
-    staging = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.partial")
+    clean_debris(path)
+    staging = staging_path(path)
     try:
         with open(staging, "xb") as handle:
             handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
         if check is not None:
             check(staging)
-        os.replace(staging, path)
+        publish_file(staging, path)
     except BaseException:
         staging.unlink(missing_ok=True)
         raise

@@ -30,14 +30,13 @@ import math
 import pickle
 import re
 import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from .cact_writer import write_atomically
-from .convert import _publish
+from .atomic_output import clean_debris, publish_folder, staging_path
 from .native_checkpoint import WRITE_PROTOCOL, CheckpointFormatError, _unpickle
 
 # Reference kernel name -> HF module name, in the reference's order.
@@ -316,13 +315,15 @@ def write_peft_adapter(out_dir, adapter: NativeAdapter, config, *, base_model: s
         "modules_to_save": None,
         "inference_mode": True,
     }
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".partial", dir=out_dir.parent))
+    clean_debris(out_dir)
+    staging = staging_path(out_dir)
+    staging.mkdir()
     try:
         save_file(tensors, str(staging / ADAPTER_WEIGHTS_NAME), metadata={"format": "pt"})
         needle_metadata = {key: adapter.metadata.get(key) for key in NEEDLE_METADATA_KEYS}
         (staging / NEEDLE_METADATA_NAME).write_text(json.dumps(needle_metadata, indent=2) + "\n", encoding="utf-8")
         (staging / ADAPTER_CONFIG_NAME).write_text(json.dumps(settings, indent=2) + "\n", encoding="utf-8")
-        _publish(staging, out_dir)
+        publish_folder(staging, out_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

@@ -24,6 +24,7 @@ import sys
 import time
 from typing import Callable, Sequence
 
+from needle_hf.conversion.atomic_output import check_output_outside_inputs
 from needle_hf.conversion.convert import convert
 from needle_hf.conversion.export import OUTPUT_DTYPES, export_native
 from needle_hf.conversion.verification import VERIFY_BACKENDS
@@ -147,6 +148,8 @@ def _run_lora_import(args: argparse.Namespace) -> int:
     from needle_hf.conversion.export import read_hf_config
     from needle_hf.conversion.lora import read_native_adapter, write_peft_adapter
 
+    check_output_outside_inputs(Path(args.out_dir), {"adapter": Path(args.adapter), "base folder": Path(args.base)},
+                                command="lora import")
     config = read_hf_config(Path(args.base))
     adapter = read_native_adapter(args.adapter, config)
     out_dir = write_peft_adapter(args.out_dir, adapter, config, base_model=str(Path(args.base).absolute()),
@@ -163,6 +166,7 @@ def _run_lora_export(args: argparse.Namespace) -> int:
     from needle_hf.conversion.lora import ADAPTER_CONFIG_NAME, AdapterError, read_peft_adapter, write_native_adapter
 
     out_path = Path(args.out_path)
+    check_output_outside_inputs(out_path, {"adapter folder": Path(args.peft_dir)}, command="lora export")
     if out_path.exists() and (out_path.is_dir() or not args.overwrite):
         raise AdapterError(f"{out_path} exists; pass --overwrite to replace it")
     base = args.base
