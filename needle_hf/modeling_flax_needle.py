@@ -310,9 +310,11 @@ class FlaxNeedleAttention(nn.Module):
             # One token: products and sums that XLA fuses into two loops over the cache. (A dot that
             # reads a cache updated in place inside generate()'s loop makes XLA copy the cache, before
             # or after the update, which costs more than these loops.)
+            # [B, K, G, 1, H, 1] * [B, K, 1, 1, H, S], summed over H -> scores [B, K, G, 1, S]
             scores = jnp.sum(q[..., None].astype(jnp.float32) * k[:, :, None, None].astype(jnp.float32), axis=-2)
             probs = jax.nn.softmax(jnp.where(mask, scores / scale, jnp.finfo(jnp.float32).min), axis=-1)
             weights = probs.astype(v.dtype).astype(jnp.float32)
+            # [B, K, G, 1, S, 1] * [B, K, 1, 1, S, H], summed over S -> [B, K, G, 1, H]
             out = jnp.sum(weights[..., None] * v[:, :, None, None].astype(jnp.float32), axis=-2).astype(v.dtype)
         else:
             scores = jnp.einsum("bkgth,bkhs->bkgts", q, k, preferred_element_type=jnp.float32)
@@ -337,8 +339,8 @@ def walsh_transform(z: jnp.ndarray) -> jnp.ndarray:
     a = 1 << ((n.bit_length() - 1 + 1) // 2)
     b = n // a
     walsh_a, walsh_b = (jnp.asarray(walsh_matrix(m), z.dtype) for m in (a, b))
-    z = jnp.einsum("...ij,jl->...il", z.reshape(*z.shape[:-1], a, b), walsh_b)
-    return jnp.einsum("...il,ik->...kl", z, walsh_a).reshape(*z.shape[:-2], n)
+    z = z.reshape(*z.shape[:-1], a, b) @ walsh_b  # [..., a, b]
+    return (walsh_a @ z).reshape(*z.shape[:-2], n)  # W_a is symmetric: W_a^T Z = W_a Z
 
 
 class FlaxNeedleHadamardMLP(nn.Module):

@@ -225,11 +225,12 @@ def check_weights(
         shown = ", ".join(f"{label}{name(n)}" for n in names[:3])
         return f"{shown} ({len(names)} {noun} in all)"
 
-    missing = sorted(set(expected) - set(found))
+    # Missing and mis-shaped tensors in the order of `expected` (the table's: embedding, layers, heads).
+    missing = [n for n in expected if n not in found]
     unexpected = sorted(
         n for n in set(found) - set(expected) if not n.startswith(tuple(ignore_unexpected_prefixes))
     )
-    wrong = sorted(n for n in set(expected) & set(found) if tuple(found[n]) != tuple(expected[n]))
+    wrong = [n for n in expected if n in found and tuple(found[n]) != tuple(expected[n])]
     problems = []
     if missing:
         problems.append(first(missing, "missing tensor ", "missing"))
@@ -250,11 +251,9 @@ def check_weights(
     raise NeedleWeightsError(f"{where}: " + "; ".join(problems) + hint)
 
 
-def check_hf_weights(found: Mapping[str, Sequence[int]], config, *, where: str, prefix: str = "") -> None:
-    """`check_weights` of HF-named shapes against the table for `config` (only names under `prefix`, when given)."""
-    if prefix:
-        found = {n: s for n, s in found.items() if n.startswith(prefix)}
-    check_weights(found, hf_weight_shapes(config, prefix=prefix), where=where)
+def check_hf_weights(found: Mapping[str, Sequence[int]], config, *, where: str) -> None:
+    """`check_weights` of HF-named shapes against the whole table for `config`."""
+    check_weights(found, hf_weight_shapes(config), where=where)
 
 
 def optional_heads_in_native(params: dict) -> dict[str, bool]:
