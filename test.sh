@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Sets everything up (.venv, .venv-v5) and runs the whole test suite:
 #   1. every test under transformers 4.57 (Flax + PyTorch + conversion + Hub) in .venv;
-#   2. the PyTorch model, pipeline and tokenizer suites again under the newest transformers 5.x in .venv-v5.
+#   2. the PyTorch model, pipeline, tokenizer and README suites again under the newest transformers 5.x in .venv-v5.
 # Extra arguments go to both pytest runs (e.g. ./test.sh -x -k parity).
 set -uo pipefail
 cd "$(dirname "$0")"
@@ -14,6 +14,6 @@ echo "=== transformers 4.57 (.venv): whole suite ==="
 echo "=== transformers 5.x (.venv-v5): PyTorch model and tokenizer suites ==="
 # needle-hf is not installed in .venv-v5 (the remote-code tests need an environment without it);
 # the suite imports it from the source tree.
-PYTHONPATH="$PWD" .venv-v5/bin/python -m pytest tests/test_modeling_torch.py tests/test_pipeline.py tests/test_tokenizer.py tests/test_chat_template.py "$@" || status=1
+PYTHONPATH="$PWD" .venv-v5/bin/python -m pytest tests/test_modeling_torch.py tests/test_pipeline.py tests/test_tokenizer.py tests/test_chat_template.py tests/test_readme.py "$@" || status=1
 
 exit $status

@@ -32,7 +32,7 @@ import numpy as np
 
 import needle_hf
 from needle_hf.configuration_needle import NeedleConfig
-from needle_hf.weight_names import WeightMappingError, hf_to_native, hf_weight_shapes
+from needle_hf.weight_names import check_hf_weights, hf_to_native
 
 from .atomic_output import check_output_outside_inputs, clean_debris, publish_file, staging_path
 from .native_checkpoint import load_native_checkpoint, write_native_checkpoint
@@ -57,39 +57,6 @@ def numpy_dtype(name: str) -> np.dtype:
 
         return np.dtype(ml_dtypes.bfloat16)
     return np.dtype(name)
-
-
-def check_names_and_shapes(found: dict[str, tuple[int, ...]], config: NeedleConfig, *, where: str):
-    """Raise `WeightMappingError` naming the first unknown, missing or mis-shaped tensor.
-
-    Args:
-        found: tensor name -> shape, as read from safetensors headers.
-        config: the model config; the key table gives the expected names and shapes.
-        where: the file or folder, for the message.
-    """
-    if config.num_hidden_layers > len(found):
-        # Checked before the name table is built: its size follows the config, not the file.
-        raise WeightMappingError(
-            f"{where}: config.json says {config.num_hidden_layers} layers, but the weights hold only {len(found)} tensors"
-        )
-    expected = hf_weight_shapes(config)
-    unknown = sorted(set(found) - set(expected))
-    if unknown:
-        raise WeightMappingError(
-            f"{where}: unknown tensor {unknown[0]} ({len(unknown)} unknown in all); a Needle model with this "
-            "config has no such weight"
-        )
-    missing = [name for name in expected if name not in found]
-    if missing:
-        hint = ""
-        for flag, prefix in (("use_mtp_head", "mtp."), ("use_contrastive_head", "contrastive_head."),
-                             ("use_confidence_head", "confidence_head.")):
-            if missing[0].startswith(prefix):
-                hint = f" (config.json sets {flag}=true)"
-        raise WeightMappingError(f"{where}: missing tensor {missing[0]} ({len(missing)} missing in all){hint}")
-    for name, shape in expected.items():
-        if tuple(found[name]) != tuple(shape):
-            raise WeightMappingError(f"{where}: tensor {name}: expected shape {tuple(shape)}, got {tuple(found[name])}")
 
 
 def read_hf_config(folder: Path) -> NeedleConfig:
@@ -188,7 +155,7 @@ def read_hf_tensors(folder, config: NeedleConfig) -> dict[str, np.ndarray]:
     folder = Path(folder)
     files = weight_files(folder)
     shapes, _ = safetensors_layout(files)
-    check_names_and_shapes(shapes, config, where=str(folder))
+    check_hf_weights(shapes, config, where=str(folder))
     tensors = {}
     for path in files:
         with open_safetensors(path) as handle:

@@ -8,10 +8,11 @@ go through `needle_hf.weight_names`, so a mapping or layout mistake on the way t
 shows up as a logit difference instead of being reproduced on both sides.
 
 Scope: full-sequence logits (and MTP logits) for unpadded, causal inputs; no cache, no heads.
+The module-level op functions (norms, RoPE, Sinkhorn, the engram hash, the Walsh transform, the
+padding-aware attention mask, probe pooling) are the plain statement of each op that the per-op
+tests run both models' op functions against (`tests/test_ops_parity.py`).
 
-Axis letters: B batch, T query positions, S key positions, D hidden, N query heads, K key/value
-heads, G query heads per kv head, H head_dim, L hyper-connection lanes, E engram input width,
-V vocabulary.
+Axis letters: the legend of `needle_hf/numerics.py`.
 
 Numerics: every op in float32 (parameters of any float dtype are read as float32), RMS statistics
 with epsilon `config.rms_norm_eps`, softmax and Sinkhorn in log-sum-exp form.
@@ -60,6 +61,74 @@ def _shift_right(x: np.ndarray, offset: int) -> np.ndarray:
     return out
 
 
+# -------------------------------------------------------------------------------------------------
+# The ops, one statement each.
+
+
+def rms_unit(x: np.ndarray, eps: float) -> np.ndarray:
+    """x / sqrt(mean(x^2) + eps) over the last axis, no gain."""
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + np.float32(eps))
+
+
+def zero_centred_rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """Gain `1 + weight` (the stored weight is zero-centred) times `rms_unit(x)`."""
+    return (1.0 + weight) * rms_unit(x, eps)
+
+
+def apply_rotary(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """Half-split RoPE `[x1 cos - x2 sin, x2 cos + x1 sin]`; x [B, T, heads, H], cos/sin [T, H/2]."""
+    half = x.shape[-1] // 2
+    first, second = x[..., :half], x[..., half:]
+    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    return np.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
+
+
+def rope_angles(positions: np.ndarray, head_dim: int, theta: float) -> np.ndarray:
+    """Rotation angles [..., H/2] of integer positions: position * theta^(-2i / H)."""
+    return np.asarray(positions, np.float32)[..., None] * rope_inverse_frequencies(head_dim, theta)
+
+
+def sinkhorn(logits: np.ndarray) -> np.ndarray:
+    """Doubly-stochastic [..., I, J]: `SINKHORN_ITERATIONS` log-space rounds normalising rows, then columns."""
+    log_k = logits
+    for _ in range(SINKHORN_ITERATIONS):
+        log_k = log_k - _logsumexp(log_k, axis=-1)
+        log_k = log_k - _logsumexp(log_k, axis=-2)
+    return np.exp(log_k)
+
+
+def engram_hash_indices(tokens: np.ndarray, orders, num_heads: int, slots: int) -> np.ndarray:
+    """Hash-table rows [B, T, tables] of the n-grams ending at each position (`numerics.engram_indices_numpy`)."""
+    return engram_indices_numpy(tokens, orders, num_heads, slots)
+
+
+def walsh_transform(z: np.ndarray) -> np.ndarray:
+    """z @ W over the last axis, W the orthonormal Sylvester Walsh-Hadamard matrix [W, W]."""
+    return z @ walsh_matrix(z.shape[-1])
+
+
+def attention_allowed(key_visible: np.ndarray, past_length: int, query_length: int) -> np.ndarray:
+    """[B, T, S] bool: query t (at position past_length + t) may read key s when s is causal and
+    visible, and always itself (a padding row, which sees no visible key, reads only itself)."""
+    query_positions = past_length + np.arange(query_length)[:, None]  # [T, 1]
+    key_positions = np.arange(key_visible.shape[1])[None, :]  # [1, S]
+    causal_visible = (key_positions <= query_positions)[None] & np.asarray(key_visible, bool)[:, None, :]
+    return causal_visible | (key_positions == query_positions)[None]
+
+
+def probe_pool(cells: np.ndarray, keep: np.ndarray, probes: np.ndarray) -> np.ndarray:
+    """Probe attention pooling: cells [B, T, L + 1, D], keep [B, T] bool, probes [P, D] -> [B, P * D].
+
+    Each probe's softmax runs over every (position, layer) cell of the kept positions.
+    """
+    b, t, depth, d = cells.shape
+    flat = cells.reshape(b, t * depth, d)  # [B, F, D], position-major
+    scores = np.einsum("bfd,pd->bpf", flat, probes) / np.float32(math.sqrt(d))
+    scores = np.where(np.repeat(np.asarray(keep, bool), depth, axis=1)[:, None, :], scores, -np.inf)
+    weights = np.exp(scores - _logsumexp(scores, axis=-1))
+    return np.einsum("bpf,bfd->bpd", weights, flat).reshape(b, -1)
+
+
 class _NativeForward:
     """One forward pass; `read(path)` fetches a native leaf as float32."""
 
@@ -68,7 +137,6 @@ class _NativeForward:
         self.config = config
         self.read_leaf = read_leaf
         self.eps = np.float32(config.rms_norm_eps)
-        self.walsh = walsh_matrix(config.hadamard_size)  # [n, n], orthonormal
 
     def read(self, *path: str, layer: int | None = None) -> np.ndarray:
         node = self.params
@@ -76,15 +144,11 @@ class _NativeForward:
             node = node[key]
         return self.read_leaf(node if layer is None else np.asarray(node)[layer])
 
-    # ---------------------------------------------------------------------------------------------
-    # Normalisations.
-
     def rms_unit(self, x: np.ndarray) -> np.ndarray:
-        return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + self.eps)
+        return rms_unit(x, self.eps)
 
     def zero_centred_norm(self, x: np.ndarray, scale: np.ndarray) -> np.ndarray:
-        """Gain `1 + scale` (the stored scale is zero-centred)."""
-        return (1.0 + scale) * self.rms_unit(x)
+        return zero_centred_rms_norm(x, scale, self.eps)
 
     # ---------------------------------------------------------------------------------------------
     # Engram memory.
@@ -94,7 +158,7 @@ class _NativeForward:
         cfg = self.config
         b, t = tokens.shape
         heads, tables = cfg.engram_num_heads, cfg.engram_num_tables
-        rows = engram_indices_numpy(tokens, cfg.engram_orders, heads, cfg.engram_slots)  # [B, T, tables]
+        rows = engram_hash_indices(tokens, cfg.engram_orders, heads, cfg.engram_slots)  # [B, T, tables]
         positions = np.arange(t)
         # An n-gram of order o needs o - 1 earlier tokens inside the sequence.
         ngram_visible = np.stack(
@@ -129,31 +193,23 @@ class _NativeForward:
         value = (a @ block("self_attn", "v_proj", "kernel")).reshape(b, t, k, h)
         q = self.zero_centred_norm(q, block("self_attn", "q_norm", "scale"))
         key = self.zero_centred_norm(key, block("self_attn", "k_norm", "scale"))
-        q, key = self.rope(q, cos, sin), self.rope(key, cos, sin)
+        q, key = apply_rotary(q, cos, sin), apply_rotary(key, cos, sin)
         q = q.reshape(b, t, k, n // k, h)  # query head g of kv group k is head k * G + g
         scores = np.einsum("btkgh,bskh->bkgts", q, key) / np.float32(math.sqrt(h))
-        causal = np.tril(np.ones((t, t), bool))
-        scores = np.where(causal, scores, -np.inf)
+        allowed = attention_allowed(np.ones((b, t), bool), 0, t)  # [B, T, S]
+        scores = np.where(allowed[:, None, None], scores, -np.inf)
         weights = np.exp(scores - _logsumexp(scores, axis=-1))
         out = np.einsum("bkgts,bskh->btkgh", weights, value).reshape(b, t, n * h)  # [B, T, A]
         out = out * _sigmoid(a @ block("self_attn", "gate_proj", "kernel"))
         return out @ block("self_attn", "out_proj", "kernel")
 
-    @staticmethod
-    def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
-        """Half-split rotary embedding; x [B, T, heads, H], cos/sin [T, H/2]."""
-        half = x.shape[-1] // 2
-        first, second = x[..., :half], x[..., half:]
-        cos, sin = cos[None, :, None, :], sin[None, :, None, :]
-        return np.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
-
     def hadamard_mlp(self, x: np.ndarray, block) -> np.ndarray:
         """Diagonal scalings around two Walsh-Hadamard transforms, zero padded to a power of two."""
-        d, width, walsh = self.config.hidden_size, self.config.hadamard_size, self.walsh
-        z = np.concatenate([x, np.zeros((*x.shape[:-1], width - d), np.float32)], axis=-1) if width > d else x
-        z = (block("hadamard_mlp", "d1") * z) @ walsh
+        d, width = self.config.hidden_size, self.config.hadamard_size
+        z = np.concatenate([x, np.zeros((*x.shape[:-1], width - d), np.float32)], axis=-1) if width > d else x  # [B, T, W]
+        z = walsh_transform(block("hadamard_mlp", "d1") * z)
         z = block("hadamard_mlp", "d2") * z
-        z = (z * _sigmoid(z)) @ walsh  # silu
+        z = walsh_transform(z * _sigmoid(z))  # silu
         return (block("hadamard_mlp", "d3") * z)[..., :d]
 
     def block(self, u: np.ndarray, block, cos, sin, engram=None) -> np.ndarray:
@@ -171,21 +227,13 @@ class _NativeForward:
     # ---------------------------------------------------------------------------------------------
     # The whole model.
 
-    def sinkhorn(self, logits: np.ndarray) -> np.ndarray:
-        """Doubly-stochastic [..., L, L]: log-space rounds normalising rows, then columns."""
-        log_k = logits
-        for _ in range(SINKHORN_ITERATIONS):
-            log_k = log_k - _logsumexp(log_k, axis=-1)
-            log_k = log_k - _logsumexp(log_k, axis=-2)
-        return np.exp(log_k)
-
     def __call__(self, tokens: np.ndarray, *, with_mtp: bool) -> tuple[np.ndarray, np.ndarray | None]:
         cfg = self.config
         b, t = tokens.shape
         d, lanes = cfg.hidden_size, cfg.hyper_connection_lanes
         embedding = self.read("embedding", "embedding")  # [V, D]
         scale = np.float32(math.sqrt(d))
-        angles = np.arange(t, dtype=np.float32)[:, None] * rope_inverse_frequencies(cfg.head_dim, cfg.rope_theta)
+        angles = rope_angles(np.arange(t), cfg.head_dim, cfg.rope_theta)
         cos, sin = np.cos(angles), np.sin(angles)  # [T, H/2]
         memory = self.engram_memory(tokens)
         site_of_layer = {layer: site for site, layer in enumerate(cfg.engram_layers)}
@@ -202,7 +250,7 @@ class _NativeForward:
             y = self.block(u, block, cos, sin, engram=None if site is None else memory[site]) - u
             post = 2.0 * _sigmoid(stack("mhc_a_post") * (flat @ stack("mhc_phi_post")) + stack("mhc_b_post") + post_offsets[i])
             routing = stack("mhc_a_res") * (flat @ stack("mhc_phi_res")).reshape(b, t, lanes, lanes) + stack("mhc_b_res")
-            x = np.einsum("btij,btjd->btid", self.sinkhorn(routing), x) + post[..., None] * y[:, :, None, :]
+            x = np.einsum("btij,btjd->btid", sinkhorn(routing), x) + post[..., None] * y[:, :, None, :]
         hidden = self.zero_centred_norm(np.mean(x, axis=2), self.read("stack", "final_norm", "scale"))  # [B, T, D]
         logits = hidden @ embedding.T  # [B, T, V]
         if not with_mtp:

@@ -18,8 +18,9 @@ import numpy as np
 
 from needle_hf.chat_template import FIRST_CHAT_MARKER_ID
 from needle_hf.tokenization_needle import BOS_ID
+from needle_hf.weight_names import check_hf_weights
 
-from .export import check_names_and_shapes, numpy_dtype
+from .export import numpy_dtype
 from .native_forward import float32_leaf, native_logits
 from .safetensors_stream import SafetensorsMismatchError, check_safetensors_bytes
 
@@ -55,7 +56,7 @@ def verify_tensors(weights_path: Path, expected: dict[str, np.ndarray], config):
         if layout != "pt":
             raise VerificationError(f"{weights_path}: metadata format {layout!r}, expected 'pt'")
         shapes = {name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()}
-        check_names_and_shapes(shapes, config, where=str(weights_path))
+        check_hf_weights(shapes, config, where=str(weights_path))
     try:
         check_safetensors_bytes(weights_path, expected, metadata=SAFETENSORS_METADATA)
     except SafetensorsMismatchError as error:

@@ -4,10 +4,12 @@ Importing the package registers `NeedleConfig` with `AutoConfig`, the Flax model
 `FlaxAutoModel`/`FlaxAutoModelForCausalLM` (transformers 4.x with jax/flax installed) and the
 PyTorch models with `AutoModel`/`AutoModelForCausalLM` (torch installed).
 
-The model classes are registered as deferred stand-ins (`DeferredModelClass`), and
-`needle_hf.FlaxNeedleForCausalLM` and friends resolve on first access: importing the package
-imports neither torch's nor jax's model code (together ~190 MB and ~2.5 s), so a tool that only
-converts checkpoints or tokenizers stays small. The first use of a model class imports it.
+Importing the package imports neither torch's nor jax's model code (together ~190 MB and ~2.5 s),
+so a tool that only converts checkpoints or tokenizers stays small: `needle_hf.FlaxNeedleForCausalLM`
+and friends import their module on first access, and the Auto mappings hold deferred entries that
+become the real classes when read. `MODEL_FOR_CAUSAL_LM_MAPPING[NeedleConfig]` (what the Auto
+classes, pipelines and libraries that check the mapping read) imports the model module and returns
+`NeedleForCausalLM` itself, and from then on the mapping holds the class.
 """
 
 import importlib
@@ -56,18 +58,18 @@ def __getattr__(name: str):
 
 
 class DeferredModelClass(type):
-    """Metaclass of the stand-ins registered with the Auto classes in place of the model classes.
+    """Metaclass of the placeholders registered with the Auto classes before the model code is imported.
 
-    A stand-in carries the real class's name and `config_class` (all that registration reads); any
-    other attribute (`from_pretrained`, `from_config`, ...), a call, or an isinstance/issubclass test
-    imports the real class and forwards to it. What the Auto classes return is always an instance of
-    the real class.
+    A placeholder carries the real class's name and `config_class` (all that registration reads);
+    the mapping it is registered in (`_ResolvingEntries`) hands out the real class instead. Any
+    other use of a placeholder that escapes (an attribute, a call, an isinstance/issubclass test)
+    imports the real class and forwards to it.
     """
 
     def resolve(cls) -> type:
         return _model_class(cls.__name__)
 
-    def __getattr__(cls, name):  # only for names the stand-in itself lacks
+    def __getattr__(cls, name):  # only for names the placeholder itself lacks
         return getattr(cls.resolve(), name)
 
     def __call__(cls, *args, **kwargs):
@@ -80,8 +82,45 @@ class DeferredModelClass(type):
         return issubclass(subclass, cls.resolve())
 
 
-def _stand_in(name: str) -> type:
+class _ResolvingEntries(dict):
+    """The registered entries of one transformers Auto mapping (its `_extra_content`, 4.57 and 5.x).
+
+    `_LazyAutoMapping` answers `mapping[config_class]`, `.get`, `.values()` and `.items()` for
+    registered classes from this dict; a `DeferredModelClass` placeholder read through any of them
+    is replaced by the real class (imported then), so the mapping holds the model classes
+    themselves, as for transformers' own models, without importing them at registration.
+    """
+
+    def _resolved(self, key):
+        value = super().__getitem__(key)
+        if isinstance(value, DeferredModelClass):
+            value = value.resolve()
+            super().__setitem__(key, value)
+        return value
+
+    def __getitem__(self, key):
+        return self._resolved(key)
+
+    def get(self, key, default=None):
+        return self._resolved(key) if key in self else default
+
+    def values(self):
+        return [self._resolved(key) for key in self]
+
+    def items(self):
+        return [(key, self._resolved(key)) for key in self]
+
+
+def _placeholder(name: str) -> type:
     return DeferredModelClass(name, (), {"config_class": NeedleConfig, "__module__": f"{__name__}.{_MODEL_CLASSES[name]}"})
+
+
+def _register(auto_class, name: str) -> None:
+    """Register model class `name` with `auto_class` without importing it."""
+    mapping = auto_class._model_mapping
+    if not isinstance(mapping._extra_content, _ResolvingEntries):
+        mapping._extra_content = _ResolvingEntries(mapping._extra_content)
+    auto_class.register(NeedleConfig, _placeholder(name), exist_ok=True)
 
 
 def _register_auto_classes():
@@ -90,13 +129,13 @@ def _register_auto_classes():
     if "NeedleForCausalLM" in _MODEL_CLASSES:
         from transformers import AutoModel, AutoModelForCausalLM
 
-        AutoModel.register(NeedleConfig, _stand_in("NeedleModel"), exist_ok=True)
-        AutoModelForCausalLM.register(NeedleConfig, _stand_in("NeedleForCausalLM"), exist_ok=True)
+        _register(AutoModel, "NeedleModel")
+        _register(AutoModelForCausalLM, "NeedleForCausalLM")
     if "FlaxNeedleForCausalLM" in _MODEL_CLASSES:
         from transformers import FlaxAutoModel, FlaxAutoModelForCausalLM
 
-        FlaxAutoModel.register(NeedleConfig, _stand_in("FlaxNeedleModel"), exist_ok=True)
-        FlaxAutoModelForCausalLM.register(NeedleConfig, _stand_in("FlaxNeedleForCausalLM"), exist_ok=True)
+        _register(FlaxAutoModel, "FlaxNeedleModel")
+        _register(FlaxAutoModelForCausalLM, "FlaxNeedleForCausalLM")
 
 
 _register_auto_classes()

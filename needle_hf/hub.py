@@ -28,7 +28,8 @@ from huggingface_hub import HfApi
 
 from . import __version__
 from .configuration_needle import NeedleConfig
-from .conversion.export import check_names_and_shapes, read_hf_config, safetensors_layout, weight_files
+from .conversion.export import read_hf_config, safetensors_layout, weight_files
+from .weight_names import check_hf_weights
 from .model_card import folder_model_card
 from .remote_code import AUTO_MAP, remote_code_files
 from .tokenization_needle import read_tokenizer_file
@@ -40,7 +41,6 @@ COMMIT_ID = re.compile(r"[0-9a-f]{40}")
 # The Auto classes a pushed repository must map to shipped code: what `AutoConfig` and
 # `AutoModelForCausalLM.from_pretrained(..., trust_remote_code=True)` and the pipeline need.
 REQUIRED_AUTO_CLASSES = ("AutoConfig", "AutoModelForCausalLM")
-PUSH_HELP = "upload a saved Hugging Face Needle folder to the Hub (with its model card)"
 
 
 class PushError(ValueError):
@@ -89,7 +89,7 @@ def check_folder(folder: str | os.PathLike) -> NeedleConfig:
     if not folder.is_dir():
         raise PushError(f"{folder} is not a folder; expected a saved Hugging Face Needle folder")
     config = read_hf_config(folder)
-    check_names_and_shapes(safetensors_layout(weight_files(folder))[0], config, where=str(folder))
+    check_hf_weights(safetensors_layout(weight_files(folder))[0], config, where=str(folder))
     if (folder / TOKENIZER_FILE).is_file():
         read_tokenizer_file(folder / TOKENIZER_FILE)
     auto_map = json.loads((folder / "config.json").read_text(encoding="utf-8")).get("auto_map") or {}
@@ -232,7 +232,6 @@ def push_converted_folder(args: argparse.Namespace, out_dir) -> str | None:
 
 __all__ = [
     "HubPushError",
-    "PUSH_HELP",
     "PushError",
     "add_convert_push_arguments",
     "add_push_arguments",

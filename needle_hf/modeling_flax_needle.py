@@ -1,9 +1,8 @@
 """Needle 2 in Flax for Hugging Face Transformers (4.57, the last release with Flax models).
 
-Axis letters in shape comments and einsum strings:
-  B batch, T query positions, S key positions, D hidden (d_model), A attention width,
-  N query heads, K key/value heads, G query heads per kv head, H head_dim, L hyper-connection lanes,
-  C context positions of the engram window, E engram input width, V vocabulary.
+Axis letters in shape comments and einsum strings: the legend of `numerics.py` (B batch, T query
+positions, S key positions, D hidden, A attention width, N/K query/kv heads, G query heads per kv
+head, H head_dim, L lanes, C engram context, E engram width, W Hadamard width, P probes, V vocab).
 
 Numerics (one choice per op, matching the reference):
   * every RMS statistic is taken in float32; ZCRMSNorm returns `(1 + w) * x / sqrt(mean(x^2) + eps)`
@@ -15,6 +14,11 @@ Numerics (one choice per op, matching the reference):
   * hyper-connection mixing, Sinkhorn routing and the engram gate run in float32; the lanes are
     stored in the compute dtype between layers;
   * logits are `float32(h) @ E^T`.
+
+Padding rows (positions the attention mask hides) attend to themselves only, as in the PyTorch
+model (`attention_allowed`): they see no visible key, and a row that sees nothing would otherwise
+spread its weight over every key, future and unwritten cache slots included. Real positions are
+unaffected (they see themselves anyway), so their outputs equal the reference's.
 
 The cache (`init_cache`, a `cache` collection) holds, per layer, keys and values for every position
 up to `max_length`; for the engram memory, the last `config.engram_history` tokens with their
@@ -40,10 +44,21 @@ from transformers.modeling_flax_outputs import FlaxBaseModelOutput, FlaxCausalLM
 from transformers.modeling_flax_utils import FlaxPreTrainedModel
 
 from .configuration_needle import NeedleConfig
-from .weight_names import WeightMappingError, hf_weight_shapes
 from .numerics import (
+    ATTENTION_GATE_INIT,
+    CONFIDENCE_PROBES,
+    CONTRASTIVE_NORM_EPS,
+    CONTRASTIVE_PROBES,
+    CONTRASTIVE_TEMPERATURE_INIT,
+    ENGRAM_FIRST_TAP_INIT,
     ENGRAM_HASH_PRIME,
     ENGRAM_HASH_SHIFT,
+    HADAMARD_DIAG_HIDDEN_INIT,
+    HADAMARD_DIAG_IN_INIT,
+    HADAMARD_DIAG_OUT_INIT,
+    HYPER_CONNECTION_ALPHA_INIT,
+    HYPER_CONNECTION_RES_BIAS_INIT,
+    NORM_WEIGHT_INIT,
     SINKHORN_ITERATIONS,
     SINKHORN_LINEAR_SPACE_MAX_SPREAD,
     engram_table_orders,
@@ -52,9 +67,7 @@ from .numerics import (
     rope_inverse_frequencies,
     walsh_matrix,
 )
-
-CONTRASTIVE_PROBES = 4
-CONFIDENCE_PROBES = 8
+from .weight_names import HEAD_PREFIXES, NeedleWeightsError, check_weights, hf_weight_shapes
 
 
 @flax.struct.dataclass
@@ -71,6 +84,17 @@ def _normal(std: float):
 
 # --------------------------------------------------------------------------------------------------
 # Shared math
+
+
+def zero_centred_rms_norm(x: jnp.ndarray, weight: jnp.ndarray, eps: float) -> jnp.ndarray:
+    """`(1 + weight) * x / sqrt(mean(x^2) + eps)` over the last axis, cast back to x's dtype.
+
+    The mean of squares is float32; `1 + weight` and its product with x are in the parameter/input
+    dtype before the float32 division, as in the reference.
+    """
+    xf = x.astype(jnp.float32)
+    rms = jnp.sqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return ((1 + weight) * x / rms).astype(x.dtype)
 
 
 def rms_unit(x: jnp.ndarray, eps: float) -> jnp.ndarray:
@@ -92,6 +116,12 @@ def _linear_space_round(_, k):
     return k / sum(k[..., i : i + 1, :] for i in range(n))
 
 
+def log_space_sinkhorn(logits: jnp.ndarray) -> jnp.ndarray:
+    """The reference's Sinkhorn of [..., L, L] float32 logits: `SINKHORN_ITERATIONS` rounds that
+    subtract the logsumexp over rows, then over columns; the result is exp of the final logits."""
+    return jnp.exp(jax.lax.fori_loop(0, SINKHORN_ITERATIONS, _log_space_round, logits))
+
+
 def sinkhorn(logits: jnp.ndarray) -> jnp.ndarray:
     """Doubly-stochastic routing [..., L, L] from float32 logits: the reference's log-space Sinkhorn
     (subtract the logsumexp over rows, then over columns, `SINKHORN_ITERATIONS` rounds, then exp).
@@ -104,7 +134,7 @@ def sinkhorn(logits: jnp.ndarray) -> jnp.ndarray:
     shifted = logits - jnp.max(logits, axis=(-2, -1), keepdims=True)  # each matrix's largest logit at 0
     return jax.lax.cond(
         jnp.min(shifted, initial=0.0) < -SINKHORN_LINEAR_SPACE_MAX_SPREAD,
-        lambda: jnp.exp(jax.lax.fori_loop(0, SINKHORN_ITERATIONS, _log_space_round, logits)),
+        lambda: log_space_sinkhorn(logits),
         lambda: jax.lax.fori_loop(0, SINKHORN_ITERATIONS, _linear_space_round, jnp.exp(shifted)),
     )
 
@@ -122,8 +152,8 @@ class LayerKVCache(NamedTuple):
     write_index: jnp.ndarray
 
 
-def apply_rope(x: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray) -> jnp.ndarray:
-    """Half-split rotary embedding. x [B, T, heads, H]; cos/sin [B, T, H/2] float32."""
+def apply_rotary(x: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray) -> jnp.ndarray:
+    """Half-split RoPE `[x1 cos - x2 sin, x2 cos + x1 sin]`. x [B, T, heads, H]; cos/sin [B, T, H/2] float32."""
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     cos, sin = cos[:, :, None, :], sin[:, :, None, :]
@@ -158,6 +188,34 @@ def engram_hash_indices(tokens: jnp.ndarray, orders, num_heads: int, slots: int)
     return jnp.stack(rows, axis=-1)
 
 
+def attention_allowed(key_visible: jnp.ndarray, past_length, query_length: int) -> jnp.ndarray:
+    """Boolean attention mask [B, T, S]: causal, restricted to visible keys, and always the query itself.
+
+    key_visible [B, S] (True = real token; S = cache length when decoding); the T queries sit at
+    positions past_length .. past_length + T - 1 (past_length may be traced). A query attending to
+    itself keeps padding rows (which see no visible key) finite and independent of other positions.
+    """
+    query_positions = past_length + jnp.arange(query_length)  # [T]
+    key_positions = jnp.arange(key_visible.shape[1])  # [S]
+    causal = key_positions[None, :] <= query_positions[:, None]  # [T, S]
+    itself = key_positions[None, :] == query_positions[:, None]  # [T, S]
+    return (causal[None] & key_visible.astype(jnp.bool_)[:, None, :]) | itself[None]
+
+
+def probe_pool(cells: jnp.ndarray, keep: jnp.ndarray, probes: jnp.ndarray) -> jnp.ndarray:
+    """Attention pooling of every (position, layer) cell by learned probes, in float32.
+
+    cells [B, T, L + 1, D]; keep [B, T] bool (real tokens); probes [P, D] -> [B, P * D] float32.
+    The softmax runs over all T * (L + 1) cells (axis F), position-major.
+    """
+    b, t, depth, d = cells.shape
+    flat = cells.reshape(b, t * depth, d).astype(jnp.float32)  # [B, F, D]
+    keep = jnp.repeat(keep.astype(jnp.bool_), depth, axis=1)  # [B, F], position-major like the cells
+    scores = jnp.einsum("bfd,pd->bpf", flat, probes.astype(jnp.float32)) / math.sqrt(d)
+    weights = jax.nn.softmax(jnp.where(keep[:, None, :], scores, -jnp.inf), axis=-1)
+    return jnp.einsum("bpf,bfd->bpd", weights, flat).reshape(b, -1)
+
+
 # --------------------------------------------------------------------------------------------------
 # Modules
 
@@ -170,10 +228,8 @@ class FlaxNeedleRMSNorm(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        weight = self.param("weight", nn.initializers.zeros, (x.shape[-1],))
-        xf = x.astype(jnp.float32)
-        rms = jnp.sqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.config.rms_norm_eps)
-        return ((1 + weight) * x / rms).astype(self.dtype)
+        weight = self.param("weight", nn.initializers.constant(NORM_WEIGHT_INIT), (x.shape[-1],))
+        return zero_centred_rms_norm(x, weight, self.config.rms_norm_eps).astype(self.dtype)
 
 
 class FlaxNeedleLinear(nn.Module):
@@ -225,8 +281,11 @@ class FlaxNeedleAttention(nn.Module):
         self.q_norm = FlaxNeedleRMSNorm(cfg, dtype=self.dtype)
         self.k_norm = FlaxNeedleRMSNorm(cfg, dtype=self.dtype)
 
-    def __call__(self, x, cos, sin, key_mask, kv_cache: Optional[LayerKVCache] = None):
-        """x [B, T, D]; key_mask [B, T, S] (True = may attend) -> ([B, T, D], updated kv_cache)."""
+    def __call__(self, x, cos, sin, key_mask, *, kv_cache: Optional[LayerKVCache] = None, output_attentions: bool = False):
+        """x [B, T, D]; key_mask [B, T, S] (True = may attend) -> ([B, T, D], kv_cache, weights).
+
+        weights: the attention probabilities [B, N, T, S] float32 with `output_attentions`, else None.
+        """
         cfg = self.config
         b, t, _ = x.shape
         # (Fusing these four projections into one matmul speeds a decoding step up, but the
@@ -235,7 +294,7 @@ class FlaxNeedleAttention(nn.Module):
         q = self.q_norm(self.q_proj(x).reshape(b, t, cfg.num_attention_heads, cfg.head_dim))  # [B, T, N, H]
         k = self.k_norm(self.k_proj(x).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim))  # [B, T, K, H]
         v = self.v_proj(x).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)  # [B, T, K, H]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         k, v = k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3)  # [B, K, H, T], [B, K, T, H]: the cache layout
         groups = cfg.num_attention_heads // cfg.num_key_value_heads
         q = q.reshape(b, t, cfg.num_key_value_heads, groups, cfg.head_dim).transpose(0, 2, 3, 1, 4)  # [B, K, G, T, H]
@@ -251,9 +310,11 @@ class FlaxNeedleAttention(nn.Module):
             # One token: products and sums that XLA fuses into two loops over the cache. (A dot that
             # reads a cache updated in place inside generate()'s loop makes XLA copy the cache, before
             # or after the update, which costs more than these loops.)
+            # [B, K, G, 1, H, 1] * [B, K, 1, 1, H, S], summed over H -> scores [B, K, G, 1, S]
             scores = jnp.sum(q[..., None].astype(jnp.float32) * k[:, :, None, None].astype(jnp.float32), axis=-2)
             probs = jax.nn.softmax(jnp.where(mask, scores / scale, jnp.finfo(jnp.float32).min), axis=-1)
             weights = probs.astype(v.dtype).astype(jnp.float32)
+            # [B, K, G, 1, S, 1] * [B, K, 1, 1, S, H], summed over S -> [B, K, G, 1, H]
             out = jnp.sum(weights[..., None] * v[:, :, None, None].astype(jnp.float32), axis=-2).astype(v.dtype)
         else:
             scores = jnp.einsum("bkgth,bkhs->bkgts", q, k, preferred_element_type=jnp.float32)
@@ -262,7 +323,9 @@ class FlaxNeedleAttention(nn.Module):
         out = out.transpose(0, 3, 1, 2, 4)  # [B, T, K, G, H]
         out = out.reshape(b, t, cfg.attention_dim)
         out = out * nn.sigmoid(self.gate_proj(x))
-        return self.o_proj(out), kv_cache
+        # Query head n = k * G + g, so [B, K, G, T, S] flattens to [B, N, T, S] in head order.
+        weights = probs.reshape(b, cfg.num_attention_heads, t, -1) if output_attentions else None
+        return self.o_proj(out), kv_cache, weights
 
 
 def walsh_transform(z: jnp.ndarray) -> jnp.ndarray:
@@ -276,8 +339,8 @@ def walsh_transform(z: jnp.ndarray) -> jnp.ndarray:
     a = 1 << ((n.bit_length() - 1 + 1) // 2)
     b = n // a
     walsh_a, walsh_b = (jnp.asarray(walsh_matrix(m), z.dtype) for m in (a, b))
-    z = jnp.einsum("...ij,jl->...il", z.reshape(*z.shape[:-1], a, b), walsh_b)
-    return jnp.einsum("...il,ik->...kl", z, walsh_a).reshape(*z.shape[:-2], n)
+    z = z.reshape(*z.shape[:-1], a, b) @ walsh_b  # [..., a, b]
+    return (walsh_a @ z).reshape(*z.shape[:-2], n)  # W_a is symmetric: W_a^T Z = W_a Z
 
 
 class FlaxNeedleHadamardMLP(nn.Module):
@@ -289,9 +352,9 @@ class FlaxNeedleHadamardMLP(nn.Module):
     @nn.compact
     def __call__(self, x):
         n, d = self.config.hadamard_size, self.config.hidden_size
-        diag_in = self.param("diag_in", nn.initializers.ones, (n,)).astype(self.dtype)
-        diag_hidden = self.param("diag_hidden", nn.initializers.ones, (n,)).astype(self.dtype)
-        diag_out = self.param("diag_out", nn.initializers.constant(0.02), (n,)).astype(self.dtype)
+        diag_in = self.param("diag_in", nn.initializers.constant(HADAMARD_DIAG_IN_INIT), (n,)).astype(self.dtype)
+        diag_hidden = self.param("diag_hidden", nn.initializers.constant(HADAMARD_DIAG_HIDDEN_INIT), (n,)).astype(self.dtype)
+        diag_out = self.param("diag_out", nn.initializers.constant(HADAMARD_DIAG_OUT_INIT), (n,)).astype(self.dtype)
         z = jnp.pad(x, ((0, 0), (0, 0), (0, n - d))) if n > d else x
         z = walsh_transform(diag_in * z)
         z = walsh_transform(nn.silu(diag_hidden * z))
@@ -308,12 +371,12 @@ class FlaxNeedleBlock(nn.Module):
         self.input_layernorm = FlaxNeedleRMSNorm(self.config, dtype=self.dtype)
         self.self_attn = FlaxNeedleAttention(self.config, dtype=self.dtype)
         self.post_attention_layernorm = FlaxNeedleRMSNorm(self.config, dtype=self.dtype)
-        self.attention_gate = self.param("attention_gate", nn.initializers.zeros, ())
+        self.attention_gate = self.param("attention_gate", nn.initializers.constant(ATTENTION_GATE_INIT), ())
         self.pre_feedforward_layernorm = FlaxNeedleRMSNorm(self.config, dtype=self.dtype)
         self.mlp = FlaxNeedleHadamardMLP(self.config, dtype=self.dtype)
 
-    def block(self, u, cos, sin, key_mask, engram=None, kv_cache: Optional[LayerKVCache] = None):
-        """u [B, T, D] -> ([B, T, D], kv_cache).
+    def block(self, u, cos, sin, key_mask, *, engram=None, kv_cache: Optional[LayerKVCache] = None, output_attentions: bool = False):
+        """u [B, T, D] -> ([B, T, D], kv_cache, attention weights [B, N, T, S] or None).
 
         `engram` = (keys, values) [B, T, D]: the engram memory this layer reads, or None.
         """
@@ -325,9 +388,11 @@ class FlaxNeedleBlock(nn.Module):
                 / math.sqrt(self.config.hidden_size)
             )  # [B, T, 1]
             u = u + (alpha * engram_values.astype(jnp.float32)).astype(u.dtype)
-        attn, kv_cache = self.self_attn(self.input_layernorm(u), cos, sin, key_mask, kv_cache=kv_cache)
+        attn, kv_cache, weights = self.self_attn(
+            self.input_layernorm(u), cos, sin, key_mask, kv_cache=kv_cache, output_attentions=output_attentions
+        )
         x = u + nn.sigmoid(self.attention_gate).astype(self.dtype) * self.post_attention_layernorm(attn)
-        return x + self.mlp(self.pre_feedforward_layernorm(x)), kv_cache
+        return x + self.mlp(self.pre_feedforward_layernorm(x)), kv_cache, weights
 
     def __call__(self, u, cos, sin, key_mask):
         return self.block(u, cos, sin, key_mask)[0]
@@ -347,10 +412,11 @@ class FlaxNeedleHyperConnection(nn.Module):
         self.res_proj = linear(lanes * lanes)
         self.pre_bias = self.param("pre_bias", nn.initializers.zeros, (lanes,))
         self.post_bias = self.param("post_bias", nn.initializers.zeros, (lanes,))
-        self.res_bias = self.param("res_bias", lambda key, shape: 4.0 * jnp.eye(lanes), (lanes, lanes))
-        self.pre_alpha = self.param("pre_alpha", nn.initializers.constant(0.01), ())
-        self.post_alpha = self.param("post_alpha", nn.initializers.constant(0.01), ())
-        self.res_alpha = self.param("res_alpha", nn.initializers.constant(0.01), ())
+        self.res_bias = self.param("res_bias", lambda key, shape: HYPER_CONNECTION_RES_BIAS_INIT * jnp.eye(lanes), (lanes, lanes))
+        alpha = nn.initializers.constant(HYPER_CONNECTION_ALPHA_INIT)
+        self.pre_alpha = self.param("pre_alpha", alpha, ())
+        self.post_alpha = self.param("post_alpha", alpha, ())
+        self.res_alpha = self.param("res_alpha", alpha, ())
 
     def __call__(self, lanes_flat_unit, pre_offset, post_offset):
         """lanes_flat_unit [B, T, L*D] float32 -> (pre [B, T, L], post [B, T, L], routing [B, T, L, L])."""
@@ -371,8 +437,11 @@ class FlaxNeedleDecoderLayer(FlaxNeedleBlock):
         super().setup()
         self.hyper_connection = FlaxNeedleHyperConnection(self.config)
 
-    def __call__(self, lanes, cos, sin, key_mask, lane_offsets, engram=None, kv_cache: Optional[LayerKVCache] = None):
-        """lanes [B, T, L, D] (compute dtype) -> (lanes [B, T, L, D], kv_cache).
+    def __call__(
+        self, lanes, cos, sin, key_mask, lane_offsets, *, engram=None, kv_cache: Optional[LayerKVCache] = None,
+        output_attentions: bool = False,
+    ):
+        """lanes [B, T, L, D] (compute dtype) -> (lanes [B, T, L, D], kv_cache, attention weights or None).
 
         lane_offsets = (pre, post) [L] float32: this layer's lane-ownership logit offsets.
         """
@@ -381,10 +450,12 @@ class FlaxNeedleDecoderLayer(FlaxNeedleBlock):
         unit = rms_unit(lanes.reshape(b, t, n * d), self.config.rms_norm_eps)  # [B, T, L*D]
         pre, post, routing = self.hyper_connection(unit, *lane_offsets)
         u = jnp.einsum("btl,btld->btd", pre, lanes_f32).astype(self.dtype)
-        y, kv_cache = self.block(u, cos, sin, key_mask, engram=engram, kv_cache=kv_cache)
+        y, kv_cache, weights = self.block(
+            u, cos, sin, key_mask, engram=engram, kv_cache=kv_cache, output_attentions=output_attentions
+        )
         y = y - u
         mixed = jnp.einsum("btij,btjd->btid", routing, lanes_f32) + post[..., None] * y.astype(jnp.float32)[:, :, None, :]
-        return mixed.astype(self.dtype), kv_cache
+        return mixed.astype(self.dtype), kv_cache, weights
 
 
 class FlaxNeedleEngram(nn.Module):
@@ -406,7 +477,7 @@ class FlaxNeedleEngram(nn.Module):
         self.key_proj = dense(kernel_init=_normal(cfg.initializer_range))
         self.value_proj = dense(kernel_init=_normal(cfg.initializer_range / math.sqrt(2 * cfg.num_hidden_layers)))
         self.conv_taps = self.param(
-            "conv_taps", lambda key, shape: jnp.zeros(shape).at[0].set(1.0), (cfg.engram_conv_taps, cfg.hidden_size)
+            "conv_taps", lambda key, shape: jnp.zeros(shape).at[0].set(ENGRAM_FIRST_TAP_INIT), (cfg.engram_conv_taps, cfg.hidden_size)
         )
 
     def __call__(self, indices, ngram_visible, tap_visible, past_projected):
@@ -441,10 +512,13 @@ class FlaxNeedleLayerCollection(nn.Module):
     time than the layers' own matmuls of a decoding step.) All layers are initialised by one vmapped
     init of a standalone decoder layer, so initialising 27 layers costs one layer's compile. The
     cache holds each layer's keys [B, K, H, S] and values [B, K, S, H] as `keys_{i}`/`values_{i}`.
+    With `gradient_checkpointing`, each layer's activations are recomputed in the backward pass
+    (`jax.checkpoint`) instead of being kept.
     """
 
     config: NeedleConfig
     dtype: jnp.dtype = jnp.float32
+    gradient_checkpointing: bool = False
 
     def _layer(self) -> FlaxNeedleDecoderLayer:
         return FlaxNeedleDecoderLayer(self.config, dtype=self.dtype, parent=None)
@@ -473,10 +547,15 @@ class FlaxNeedleLayerCollection(nn.Module):
         ]
 
     @nn.compact
-    def __call__(self, lanes, cos, sin, key_mask, memory, *, cache_index=None, init_cache: bool = False, output_hidden_states: bool = False):
-        """lanes [B, T, L, D] -> (lanes after the last layer, lane means [layers, B, T, D] or None).
+    def __call__(
+        self, lanes, cos, sin, key_mask, memory, *, cache_index=None, init_cache: bool = False,
+        output_hidden_states: bool = False, output_attentions: bool = False,
+    ):
+        """lanes [B, T, L, D] -> (lanes after the last layer, lane means per layer, attention weights per layer).
 
         memory: (engram keys, engram values) [sites, B, T, D], or None without engram sites.
+        The lane means ([B, T, D] each) and attention weights ([B, N, T, S] each) are tuples with
+        `output_hidden_states` / `output_attentions`, else None.
         """
         cfg = self.config
         pre_offsets, post_offsets = hyper_connection_offsets(cfg.num_hidden_layers, cfg.hyper_connection_lanes)
@@ -485,20 +564,31 @@ class FlaxNeedleLayerCollection(nn.Module):
         cache_vars = self._kv_cache_variables(lanes, init_cache)
         caching = cache_vars is not None and not init_cache
         layer_module = self._layer()
-        lane_means = []
+
+        def run_layer(params, lanes, offsets, engram, kv):
+            return layer_module.apply(
+                {"params": params}, lanes, cos, sin, key_mask, offsets,
+                engram=engram, kv_cache=kv, output_attentions=output_attentions,
+            )
+
+        if self.gradient_checkpointing:
+            run_layer = jax.checkpoint(run_layer)
+        lane_means, attentions = [], []
         for i in range(cfg.num_hidden_layers):
             params = self.param(str(i), lambda rng, i=i: jax.tree.map(lambda leaf: leaf[i], initial))
             s = site_of_layer.get(i)
             engram = None if s is None else (memory[0][s], memory[1][s])
             kv = LayerKVCache(cache_vars[i][0].value, cache_vars[i][1].value, cache_index) if caching else None
-            lanes, kv = layer_module.apply(
-                {"params": params}, lanes, cos, sin, key_mask, (pre_offsets[i], post_offsets[i]), engram=engram, kv_cache=kv
-            )
+            lanes, kv, weights = run_layer(params, lanes, (pre_offsets[i], post_offsets[i]), engram, kv)
             if caching:
                 cache_vars[i][0].value, cache_vars[i][1].value = kv.keys, kv.values
-            if output_hidden_states:
-                lane_means.append(jnp.mean(lanes, axis=2))
-        return lanes, (jnp.stack(lane_means) if output_hidden_states else None)
+            lane_means.append(jnp.mean(lanes, axis=2))
+            attentions.append(weights)
+        return (
+            lanes,
+            tuple(lane_means) if output_hidden_states else None,
+            tuple(attentions) if output_attentions else None,
+        )
 
 
 class FlaxNeedleEngramCollection(nn.Module):
@@ -533,6 +623,8 @@ class FlaxNeedleEngramCollection(nn.Module):
 
 @flax.struct.dataclass
 class FlaxNeedleModelOutput(FlaxBaseModelOutput):
+    """`FlaxBaseModelOutput` with the decoding cache (the `cache` collection) when decoding with one."""
+
     past_key_values: Optional[dict] = None
 
 
@@ -575,11 +667,12 @@ class FlaxNeedleModule(nn.Module):
 
     config: NeedleConfig
     dtype: jnp.dtype = jnp.float32
+    gradient_checkpointing: bool = False
 
     def setup(self):
         cfg = self.config
         self.embed_tokens = nn.Embed(cfg.vocab_size, cfg.hidden_size, embedding_init=_normal(cfg.initializer_range))
-        self.layers = FlaxNeedleLayerCollection(cfg, dtype=self.dtype)
+        self.layers = FlaxNeedleLayerCollection(cfg, dtype=self.dtype, gradient_checkpointing=self.gradient_checkpointing)
         self.engrams = FlaxNeedleEngramCollection(cfg, dtype=self.dtype) if cfg.engram_layers else None
         self.norm = FlaxNeedleRMSNorm(cfg, dtype=self.dtype)
         self.decode_state = FlaxNeedleDecodeState(cfg)
@@ -605,14 +698,6 @@ class FlaxNeedleModule(nn.Module):
         )
         return self.engrams(new(indices), new(ngram_visible), tap_visible, init_cache=init_cache)
 
-    def key_mask(self, attention_mask, query_length: int, cache_index):
-        """Which keys each query may see: [B, T, S] from a [B, S] padding mask (S = cache length when decoding)."""
-        keys = attention_mask.shape[1]
-        start = 0 if cache_index is None else cache_index
-        query_pos = start + jnp.arange(query_length)
-        causal = jnp.arange(keys)[None, :] <= query_pos[:, None]  # [T, S]
-        return causal[None] & attention_mask.astype(jnp.bool_)[:, None, :]
-
     def __call__(
         self,
         input_ids,
@@ -620,28 +705,32 @@ class FlaxNeedleModule(nn.Module):
         position_ids,
         *,
         init_cache: bool = False,
+        output_attentions: bool = False,
         output_hidden_states: bool = False,
         return_dict: bool = True,
     ):
-        """input_ids/attention_mask/position_ids [B, T] (attention_mask [B, S] when decoding with a cache)."""
+        """input_ids/attention_mask/position_ids [B, T] (attention_mask [B, S] when decoding with a cache).
+
+        hidden_states: (x0, lane mean after each layer), each [B, T, D]; attentions: per layer [B, N, T, S].
+        """
         cfg = self.config
         b, t = input_ids.shape
         cache_index, _, context_tokens, context_valid = self.decode_state(input_ids, attention_mask, init_cache=init_cache)
-        key_mask = self.key_mask(attention_mask, t, cache_index)
+        key_mask = attention_allowed(attention_mask, 0 if cache_index is None else cache_index, t)
         cos, sin = rope_tables(position_ids, cfg.head_dim, cfg.rope_theta)
 
         x0 = self.embed(input_ids)  # [B, T, D], parameter dtype
         memory = self._engram_memory(context_tokens, context_valid, t, init_cache)
         lanes = jnp.broadcast_to(x0.astype(self.dtype)[:, :, None, :], (b, t, cfg.hyper_connection_lanes, cfg.hidden_size))
-        lanes, lane_means = self.layers(
-            lanes, cos, sin, key_mask, memory,
-            cache_index=cache_index, init_cache=init_cache, output_hidden_states=output_hidden_states,
+        lanes, lane_means, attentions = self.layers(
+            lanes, cos, sin, key_mask, memory, cache_index=cache_index, init_cache=init_cache,
+            output_hidden_states=output_hidden_states, output_attentions=output_attentions,
         )
         last = self.norm(jnp.mean(lanes, axis=2))  # [B, T, D]
-        hidden_states = (x0,) + tuple(lane_means) if output_hidden_states else None
+        hidden_states = (x0,) + lane_means if output_hidden_states else None
         if not return_dict:
-            return (last, hidden_states) if output_hidden_states else (last,)
-        return FlaxNeedleModelOutput(last_hidden_state=last, hidden_states=hidden_states)
+            return tuple(v for v in (last, hidden_states, attentions) if v is not None)
+        return FlaxNeedleModelOutput(last_hidden_state=last, hidden_states=hidden_states, attentions=attentions)
 
 
 class FlaxNeedleMTPHead(nn.Module):
@@ -663,22 +752,9 @@ class FlaxNeedleMTPHead(nn.Module):
         return self.norm(self.block(m, cos, sin, key_mask))
 
 
-def probe_pool(cells, probes, keep, dtype):
-    """Attention pooling of hidden cells by learned probes.
-
-    cells [B, T, Lc, D] (Lc = layers + 1); probes [P, D]; keep [B, T] (1 = real token) -> [B, P*D].
-    Softmax over every (position, layer) cell, in float32.
-    """
-    b, t, lc, d = cells.shape
-    cells = cells.reshape(b, t * lc, d).astype(jnp.float32)
-    scores = jnp.einsum("bcd,pd->bpc", cells, probes.astype(jnp.float32)) / math.sqrt(d)
-    keep = jnp.repeat(keep, lc, axis=1)
-    scores = jnp.where(keep[:, None, :] > 0, scores, -jnp.inf)
-    weights = jax.nn.softmax(scores, axis=-1)
-    return jnp.einsum("bpc,bcd->bpd", weights, cells).reshape(b, -1).astype(dtype)
-
-
 class FlaxNeedleContrastiveHead(nn.Module):
+    """Tool-retrieval embedding: probe pooling, a projection, L2 normalisation, plus a learned log-temperature."""
+
     config: NeedleConfig
     dtype: jnp.dtype = jnp.float32
 
@@ -687,14 +763,16 @@ class FlaxNeedleContrastiveHead(nn.Module):
         """-> (unit-norm embedding [B, contrastive_dim], log_temperature scalar)."""
         cfg = self.config
         probes = self.param("probes", _normal(cfg.initializer_range), (CONTRASTIVE_PROBES, cfg.hidden_size))
-        pooled = probe_pool(cells, probes, keep, self.dtype)
+        pooled = probe_pool(cells, keep, probes).astype(self.dtype)
         p = nn.Dense(cfg.contrastive_dim, use_bias=False, dtype=self.dtype, kernel_init=_normal(cfg.initializer_range), name="proj")(pooled)
-        log_temperature = self.param("log_temperature", nn.initializers.constant(math.log(0.07)), ())
-        norm = jnp.sqrt(jnp.sum(p.astype(jnp.float32) ** 2, axis=-1, keepdims=True) + 1e-12)
+        log_temperature = self.param("log_temperature", nn.initializers.constant(math.log(CONTRASTIVE_TEMPERATURE_INIT)), ())
+        norm = jnp.sqrt(jnp.sum(p.astype(jnp.float32) ** 2, axis=-1, keepdims=True) + CONTRASTIVE_NORM_EPS)
         return p / norm.astype(p.dtype), log_temperature
 
 
 class FlaxNeedleConfidenceHead(nn.Module):
+    """Answer-confidence logit: probe pooling and an affine map to one float32 logit per sequence."""
+
     config: NeedleConfig
     dtype: jnp.dtype = jnp.float32
 
@@ -703,18 +781,21 @@ class FlaxNeedleConfidenceHead(nn.Module):
         """-> confidence logit [B] float32."""
         cfg = self.config
         probes = self.param("probes", _normal(cfg.initializer_range), (CONFIDENCE_PROBES, cfg.hidden_size))
-        pooled = probe_pool(cells, probes, keep, self.dtype)
+        pooled = probe_pool(cells, keep, probes).astype(self.dtype)
         logit = nn.Dense(1, use_bias=True, dtype=self.dtype, kernel_init=_normal(cfg.initializer_range), name="proj")(pooled)
         return logit[..., 0].astype(jnp.float32)
 
 
 class FlaxNeedleForCausalLMModule(nn.Module):
+    """The backbone with its tied output head, the MTP head and the optional pooling heads."""
+
     config: NeedleConfig
     dtype: jnp.dtype = jnp.float32
+    gradient_checkpointing: bool = False
 
     def setup(self):
         cfg = self.config
-        self.model = FlaxNeedleModule(cfg, dtype=self.dtype)
+        self.model = FlaxNeedleModule(cfg, dtype=self.dtype, gradient_checkpointing=self.gradient_checkpointing)
         self.mtp = FlaxNeedleMTPHead(cfg, dtype=self.dtype) if cfg.use_mtp_head else None
         self.contrastive_head = FlaxNeedleContrastiveHead(cfg, dtype=self.dtype) if cfg.use_contrastive_head else None
         self.confidence_head = FlaxNeedleConfidenceHead(cfg, dtype=self.dtype) if cfg.use_confidence_head else None
@@ -731,12 +812,14 @@ class FlaxNeedleForCausalLMModule(nn.Module):
         position_ids,
         *,
         init_cache: bool = False,
+        output_attentions: bool = False,
         output_hidden_states: bool = False,
         output_mtp_logits: bool = False,
         return_dict: bool = True,
     ):
         outputs = self.model(
-            input_ids, attention_mask, position_ids, init_cache=init_cache, output_hidden_states=output_hidden_states
+            input_ids, attention_mask, position_ids, init_cache=init_cache,
+            output_attentions=output_attentions, output_hidden_states=output_hidden_states,
         )
         hidden = outputs.last_hidden_state
         logits = self.logits(hidden)
@@ -746,16 +829,19 @@ class FlaxNeedleForCausalLMModule(nn.Module):
             if self.is_initializing():
                 self._touch_heads(input_ids)
         if not return_dict:
-            return tuple(v for v in (logits, mtp_logits, outputs.hidden_states) if v is not None)
-        return FlaxNeedleCausalLMOutput(logits=logits, hidden_states=outputs.hidden_states, mtp_logits=mtp_logits)
+            return tuple(v for v in (logits, mtp_logits, outputs.hidden_states, outputs.attentions) if v is not None)
+        return FlaxNeedleCausalLMOutput(
+            logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions, mtp_logits=mtp_logits
+        )
 
     def mtp_logits(self, input_ids, attention_mask, position_ids, hidden):
-        if self.has_variable("cache", "cached_key") or input_ids.shape[1] != attention_mask.shape[1]:
+        """MTP logits [B, T, V] of a full sequence (input_ids and attention_mask both [B, T])."""
+        if input_ids.shape[1] != attention_mask.shape[1]:
             raise ValueError("MTP logits are computed on a full sequence, not while decoding with a cache")
         cfg = self.config
         next_ids = jnp.pad(input_ids[:, 1:], ((0, 0), (0, 1)))
         cos, sin = rope_tables(position_ids, cfg.head_dim, cfg.rope_theta)
-        key_mask = self.model.key_mask(attention_mask, input_ids.shape[1], None)
+        key_mask = attention_allowed(attention_mask, 0, input_ids.shape[1])
         return self.logits(self.mtp(hidden, self.model.embed(next_ids), cos, sin, key_mask))
 
     def _touch_heads(self, input_ids):
@@ -772,7 +858,7 @@ class FlaxNeedleForCausalLMModule(nn.Module):
         position_ids = jnp.broadcast_to(jnp.arange(t)[None], (b, t))
         outputs = self.model(input_ids, attention_mask, position_ids, output_hidden_states=True)
         cells = jnp.stack(outputs.hidden_states, axis=2)
-        return jax.lax.stop_gradient(cells), attention_mask.astype(jnp.float32)
+        return jax.lax.stop_gradient(cells), attention_mask.astype(jnp.bool_)
 
     def contrastive_embedding(self, input_ids, attention_mask):
         if self.contrastive_head is None:
@@ -792,6 +878,27 @@ class FlaxNeedleForCausalLMModule(nn.Module):
 SAFE_WEIGHTS_NAME = "model.safetensors"
 
 
+def _hf_name(flax_path: tuple[str, ...], prefix: str) -> tuple[str, bool]:
+    """(HF tensor name, whether the tensor is the transpose) of a Flax parameter path.
+
+    Flax names follow the HF module tree; only the leaf differs: a Dense `kernel` [in, out] is the
+    transposed PyTorch `weight` [out, in], and the token embedding's `embedding` is its `weight`.
+    """
+    *modules, leaf = flax_path
+    if leaf in ("kernel", "embedding"):
+        return prefix + ".".join((*modules, "weight")), leaf == "kernel"
+    return prefix + ".".join(flax_path), False
+
+
+def _flax_path(hf_name: str, ndim: int, prefix: str) -> tuple[tuple[str, ...], bool]:
+    """Inverse of `_hf_name`: every 2-D `weight` of the table is a Dense kernel but the embedding's."""
+    *modules, leaf = hf_name[len(prefix):].split(".")
+    if leaf == "weight" and ndim == 2:
+        is_embedding = modules[-1:] == ["embed_tokens"]
+        return (*modules, "embedding" if is_embedding else "kernel"), not is_embedding
+    return (*modules, leaf), False
+
+
 def flax_params_to_hf(params, config: NeedleConfig, *, prefix: str = "") -> dict[str, np.ndarray]:
     """Flax parameters -> HF-named PyTorch-layout numpy tensors (Dense kernels transposed).
 
@@ -800,38 +907,50 @@ def flax_params_to_hf(params, config: NeedleConfig, *, prefix: str = "") -> dict
     """
     tensors = {}
     for path, leaf in flatten_dict(unfreeze(params)).items():
-        name = prefix + ".".join(path)
-        leaf = np.asarray(leaf)
-        if path[-1] == "kernel":
-            name, leaf = name[: -len("kernel")] + "weight", leaf.T
-        elif path[-1] == "embedding":
-            name = name[: -len("embedding")] + "weight"
+        name, transposed = _hf_name(path, prefix)
+        leaf = np.asarray(leaf.T if transposed else leaf)
         tensors[name] = np.ascontiguousarray(leaf) if leaf.ndim else leaf
-    expected = hf_weight_shapes(config)
-    if prefix:
-        expected = {k: v for k, v in expected.items() if k.startswith(prefix)}
-    check_tensor_shapes({k: v.shape for k, v in tensors.items()}, expected, where="model parameters")
+    check_weights(
+        {k: v.shape for k, v in tensors.items()}, hf_weight_shapes(config, prefix=prefix), where="model parameters"
+    )
     return tensors
 
 
-def check_tensor_shapes(found: dict, expected: dict, *, where: str, allow_extra_prefixes=()):
-    """Raise `WeightMappingError` naming the first missing, unexpected or mis-shaped tensor."""
-    missing = sorted(set(expected) - set(found))
-    if missing:
-        raise WeightMappingError(f"{where}: missing tensor {missing[0]} ({len(missing)} missing in all)")
-    unexpected = sorted(k for k in set(found) - set(expected) if not k.startswith(tuple(allow_extra_prefixes)))
-    if unexpected:
-        raise WeightMappingError(f"{where}: unexpected tensor {unexpected[0]} ({len(unexpected)} unexpected in all)")
-    for name, shape in expected.items():
-        if tuple(found[name]) != tuple(shape):
-            raise WeightMappingError(f"{where}: tensor {name}: expected shape {tuple(shape)}, got {tuple(found[name])}")
+def _read_checked_weights(weights: str, config: NeedleConfig, *, prefix: str) -> dict:
+    """The Flax parameter tree of a PyTorch-layout safetensors file, after checking every name and shape.
+
+    The bare backbone (`prefix` "model.") reads the backbone of a causal-LM file and leaves its heads.
+    """
+    from safetensors import safe_open
+
+    with safe_open(weights, framework="flax") as handle:
+        layout = (handle.metadata() or {}).get("format")
+        if layout != "pt":
+            raise NeedleWeightsError(
+                f"{weights}: expected PyTorch-layout safetensors (metadata format 'pt'), found format {layout!r}"
+            )
+        found = {name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()}
+        check_weights(
+            found,
+            hf_weight_shapes(config, prefix=prefix),
+            where=weights,
+            ignore_unexpected_prefixes=HEAD_PREFIXES if prefix else (),
+        )
+        params = {}
+        for name, shape in found.items():
+            if name.startswith(prefix):
+                path, transposed = _flax_path(name, len(shape), prefix)
+                tensor = handle.get_tensor(name)
+                params[path] = tensor.T if transposed else tensor
+    return unflatten_dict(params)
 
 
 class FlaxNeedlePreTrainedModel(FlaxPreTrainedModel):
     """Weight init, cache init and the call interface shared by the Flax Needle models.
 
     Weights are saved and read as one PyTorch-layout `model.safetensors` (metadata `format: pt`),
-    the file the PyTorch model reads too; loading checks every tensor name and shape first.
+    the file the PyTorch model reads too; loading checks every tensor name and shape first
+    (`weight_names.check_weights`, raising `NeedleWeightsError`).
     """
 
     config_class = NeedleConfig
@@ -847,25 +966,27 @@ class FlaxNeedlePreTrainedModel(FlaxPreTrainedModel):
         seed: int = 0,
         dtype: jnp.dtype = jnp.float32,
         _do_init: bool = True,
-        _weights_will_load: bool = False,
-        **kwargs,
+        *,
+        gradient_checkpointing: bool = False,
+        _loaded_params: Optional[dict] = None,
     ):
-        # When `from_pretrained` is about to overwrite every parameter (it has checked the file holds
-        # them all), the initial values only give names and shapes: zeros from `eval_shape` skip
-        # compiling a random init.
-        self._weights_will_load = _weights_will_load
-        module = self.module_class(config=config, dtype=dtype, **kwargs)
+        # `from_pretrained` passes the parameters it read (checked against the weight table), which
+        # then stand in for the initial values: no random init is compiled or allocated.
+        self._loaded_params = _loaded_params
+        module = self.module_class(config=config, dtype=dtype, gradient_checkpointing=gradient_checkpointing)
         super().__init__(config, module, input_shape=input_shape, seed=seed, dtype=dtype, _do_init=_do_init)
 
+    def enable_gradient_checkpointing(self):
+        """Recompute each decoder layer's activations in the backward pass instead of keeping them."""
+        self._module = self.module_class(config=self.config, dtype=self.dtype, gradient_checkpointing=True)
+
     def init_weights(self, rng: jax.random.PRNGKey, input_shape: tuple, params: FrozenDict = None) -> FrozenDict:
+        if self._loaded_params is not None and params is None:
+            return freeze(self._loaded_params)
         input_ids = jnp.zeros(input_shape, dtype="i4")
         attention_mask = jnp.ones_like(input_ids)
         position_ids = jnp.broadcast_to(jnp.arange(input_shape[-1]), input_shape)
-        init = partial(self.module.init, {"params": rng}, input_ids, attention_mask, position_ids)
-        if self._weights_will_load and params is None:
-            shapes = jax.eval_shape(init)["params"]
-            return jax.tree.map(lambda leaf: jnp.zeros(leaf.shape, leaf.dtype), shapes)
-        random_params = jax.jit(init)()["params"]
+        random_params = jax.jit(partial(self.module.init, {"params": rng}, input_ids, attention_mask, position_ids))()["params"]
         if params is None:
             return random_params
         random_params = flatten_dict(unfreeze(random_params))
@@ -875,19 +996,35 @@ class FlaxNeedlePreTrainedModel(FlaxPreTrainedModel):
         self._missing_keys = set()
         return freeze(unflatten_dict(params))
 
-    def save_pretrained(self, save_directory, params=None, push_to_hub: bool = False, token=None, **kwargs):
-        """Write `config.json`, `generation_config.json` and a PyTorch-layout `model.safetensors`."""
+    def save_pretrained(
+        self,
+        save_directory,
+        params=None,
+        push_to_hub: bool = False,
+        *,
+        token=None,
+        repo_id: Optional[str] = None,
+        commit_message: Optional[str] = None,
+        private: Optional[bool] = None,
+        safe_serialization: bool = True,
+        max_shard_size=None,
+    ):
+        """Write `config.json`, `generation_config.json` and a PyTorch-layout `model.safetensors`.
+
+        Needle's weights (under 200 MB at the Needle 2 size) are always one safetensors file, so
+        `max_shard_size` (accepted because `push_to_hub` passes it) does not split them, and
+        `safe_serialization=False` (a msgpack file) is refused.
+        """
         from safetensors.numpy import save_file
 
+        if not safe_serialization:
+            raise ValueError("Needle saves PyTorch-layout safetensors only; safe_serialization=False is not supported")
         if os.path.isfile(save_directory):
             raise ValueError(f"{save_directory} is a file; save_pretrained needs a directory")
-        kwargs.pop("safe_serialization", None)
-        kwargs.pop("max_shard_size", None)
         os.makedirs(save_directory, exist_ok=True)
         if push_to_hub:
-            commit_message = kwargs.pop("commit_message", None)
-            repo_id = kwargs.pop("repo_id", str(save_directory).rstrip(os.sep).split(os.sep)[-1])
-            repo_id = self._create_repo(repo_id, token=token, **kwargs)
+            repo_id = repo_id or str(save_directory).rstrip(os.sep).split(os.sep)[-1]
+            repo_id = self._create_repo(repo_id, private=private, token=token)
             files_timestamps = self._get_files_timestamps(save_directory)
         self.config.architectures = [type(self).__name__[len("Flax"):]]
         if self._auto_class is not None:
@@ -908,35 +1045,92 @@ class FlaxNeedlePreTrainedModel(FlaxPreTrainedModel):
             )
 
     @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, config=None, **kwargs):
-        """Load like any Flax model, after checking every tensor of `model.safetensors` against the config.
+    def from_pretrained(
+        cls,
+        pretrained_model_name_or_path,
+        *,
+        config: Optional[NeedleConfig] = None,
+        dtype: jnp.dtype = jnp.float32,
+        input_shape: tuple = (1, 1),
+        seed: int = 0,
+        _do_init: bool = True,
+        gradient_checkpointing: bool = False,
+        cache_dir=None,
+        force_download: bool = False,
+        local_files_only: bool = False,
+        token=None,
+        revision: str = "main",
+        subfolder: str = "",
+        proxies=None,
+        resume_download=None,
+        _commit_hash: Optional[str] = None,
+        trust_remote_code: Optional[bool] = None,
+        adapter_kwargs: Optional[dict] = None,
+        _from_auto: bool = False,
+        _from_pipeline: Optional[str] = None,
+        **config_overrides,
+    ):
+        """Read a folder or Hub repository holding `config.json` and a PyTorch-layout `model.safetensors`.
 
-        A missing, unexpected or mis-shaped tensor raises `WeightMappingError` instead of being
-        silently re-initialised.
+        Every tensor is checked against the config first: a missing, unexpected or mis-shaped one
+        raises `NeedleWeightsError` instead of being re-initialised. Keyword arguments that are
+        `NeedleConfig` fields override the saved config (others raise `TypeError`); a checkpoint
+        without the optional heads (a saved `FlaxNeedleModel`) loads into the causal LM with
+        `use_mtp_head=False` (and `use_contrastive_head` / `use_confidence_head` False).
+
+        Args:
+            dtype: the compute dtype; parameters keep the dtype they are stored in.
+            _do_init: False returns `(model, params)` with the parameters outside the model, as
+                transformers' Flax models do.
+            gradient_checkpointing: recompute layer activations in the backward pass.
+            cache_dir, force_download, local_files_only, token, revision, subfolder, proxies,
+                _commit_hash: where and how to fetch the files (`transformers.utils.cached_file`).
+            resume_download, trust_remote_code, _from_auto, _from_pipeline: passed by the Auto
+                classes and pipelines; no effect here (downloads always resume, and this code is the
+                installed package's).
+            adapter_kwargs: passed by the Auto classes; a PEFT adapter folder is refused (adapters
+                load into the PyTorch model).
         """
-        from safetensors import safe_open
+        from transformers import GenerationConfig
         from transformers.utils import cached_file
 
-        hub_keys = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder", "proxies")
-        hub_kwargs = {k: kwargs[k] for k in hub_keys if k in kwargs}
-        if not isinstance(config, NeedleConfig):
-            config = NeedleConfig.from_pretrained(pretrained_model_name_or_path, **hub_kwargs)
+        if adapter_kwargs and "_adapter_model_path" in adapter_kwargs:
+            raise ValueError(
+                f"{adapter_kwargs['_adapter_model_path']} is a PEFT adapter; adapters load into the PyTorch "
+                "NeedleForCausalLM (peft), not the Flax model"
+            )
+        hub_kwargs = dict(
+            cache_dir=cache_dir, force_download=force_download, local_files_only=local_files_only,
+            token=token, revision=revision, subfolder=subfolder, proxies=proxies, _commit_hash=_commit_hash,
+        )
+        if config is None:
+            config, unused = NeedleConfig.from_pretrained(
+                pretrained_model_name_or_path, return_unused_kwargs=True, **hub_kwargs, **config_overrides
+            )
+        else:
+            config = NeedleConfig.from_dict(config.to_dict())
+            unused = {k: v for k, v in config_overrides.items() if not hasattr(config, k)}
+            for key, value in config_overrides.items():
+                if key not in unused:
+                    setattr(config, key, value)
+        if unused:
+            raise TypeError(
+                f"{cls.__name__}.from_pretrained got unexpected keyword argument(s) {sorted(unused)} "
+                "(neither loading options nor NeedleConfig fields)"
+            )
         weights = cached_file(pretrained_model_name_or_path, SAFE_WEIGHTS_NAME, **hub_kwargs)
-        with safe_open(weights, framework="numpy") as f:
-            if (f.metadata() or {}).get("format") != "pt":
-                raise WeightMappingError(
-                    f"{weights}: expected PyTorch-layout safetensors (metadata format 'pt'), "
-                    f"found format {(f.metadata() or {}).get('format')!r}"
-                )
-            found = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
-        expected = hf_weight_shapes(config)
-        if cls._weights_prefix:
-            # The bare backbone reads the backbone tensors of a causal-LM file and ignores its heads.
-            expected = {k: v for k, v in expected.items() if k.startswith(cls._weights_prefix)}
-            found = {k: v for k, v in found.items() if k.startswith(cls._weights_prefix)}
-        check_tensor_shapes(found, expected, where=str(weights))
-        kwargs.setdefault("_weights_will_load", True)
-        return super().from_pretrained(pretrained_model_name_or_path, *model_args, config=config, **kwargs)
+        params = _read_checked_weights(weights, config, prefix=cls._weights_prefix)
+        model = cls(
+            config, input_shape=input_shape, seed=seed, dtype=dtype, _do_init=_do_init,
+            gradient_checkpointing=gradient_checkpointing, _loaded_params=params,
+        )
+        model._loaded_params = None  # the model holds them now (or the caller does, without init)
+        if model.can_generate():
+            try:
+                model.generation_config = GenerationConfig.from_pretrained(pretrained_model_name_or_path, **hub_kwargs)
+            except OSError:  # no generation_config.json: keep the one derived from the config
+                pass
+        return model if _do_init else (model, freeze(params))
 
     def init_cache(self, batch_size: int, max_length: int):
         """An empty `cache` collection for decoding up to `max_length` positions."""
@@ -974,30 +1168,38 @@ class FlaxNeedlePreTrainedModel(FlaxPreTrainedModel):
         train: bool = False,
         output_attentions: Optional[bool] = None,
         output_hidden_states: Optional[bool] = None,
-        output_mtp_logits: bool = False,
         return_dict: Optional[bool] = None,
+        *,
+        output_mtp_logits: bool = False,
     ):
-        if output_attentions:
-            raise NotImplementedError("Needle does not return attention weights")
+        """Run the model on input_ids [B, T] (see the module classes for the outputs).
+
+        `dropout_rng` and `train` belong to the Flax models' calling convention; Needle has no
+        dropout, so they change nothing. `attentions` (with `output_attentions`) are the attention
+        probabilities per layer, [B, N, T, S] float32.
+        """
+        output_attentions = output_attentions if output_attentions is not None else self.config.output_attentions
         output_hidden_states = (
             output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
         )
         return_dict = return_dict if return_dict is not None else self.config.return_dict
+        if output_mtp_logits and past_key_values is not None:
+            raise ValueError("MTP logits are computed on a full sequence, not while decoding with a cache")
         input_ids, attention_mask, position_ids = self._prepare_call(input_ids, attention_mask, position_ids, past_key_values)
         variables = {"params": params or self.params}
-        kwargs = dict(output_hidden_states=output_hidden_states, return_dict=return_dict)
+        options = dict(output_attentions=output_attentions, output_hidden_states=output_hidden_states, return_dict=return_dict)
         if self.module_class is FlaxNeedleForCausalLMModule:
-            kwargs["output_mtp_logits"] = output_mtp_logits
+            options["output_mtp_logits"] = output_mtp_logits
         if past_key_values is not None:
             variables["cache"] = past_key_values
             outputs, updated = self.module.apply(
-                variables, input_ids, attention_mask, position_ids, mutable=["cache"], **kwargs
+                variables, input_ids, attention_mask, position_ids, mutable=["cache"], **options
             )
             cache = unfreeze(updated["cache"])
             if return_dict:
-                return outputs.replace(past_key_values=cache) if hasattr(outputs, "replace") else outputs
+                return outputs.replace(past_key_values=cache)
             return outputs[:1] + (cache,) + outputs[1:]
-        return self.module.apply(variables, input_ids, attention_mask, position_ids, **kwargs)
+        return self.module.apply(variables, input_ids, attention_mask, position_ids, **options)
 
 
 class FlaxNeedleModel(FlaxNeedlePreTrainedModel):

@@ -1,6 +1,19 @@
 """Framework-free constants and tables shared by the Flax and PyTorch Needle models.
 
 Only numpy: both modeling files import this (relatively, so it also travels as remote code).
+
+Axis letters, used in the shape comments and einsum strings of both models and of the numpy
+statement (`conversion/native_forward.py`); lower case in einsum strings:
+
+  B batch                         V vocabulary
+  T query positions (new tokens)  S key positions (cache or sequence; past + new)
+  D hidden width (d_model)        A attention width (N * H)
+  N query heads                   K key/value heads
+  G query heads per kv head       H head_dim
+  L hyper-connection lanes        I, J lanes as the rows and columns of a lane-mixing matrix
+  C engram context positions      E engram input width (tables * sub_dim)
+  W Hadamard width (a power of two >= D)
+  P pooling probes                F pooled cells (position, layer) of probe pooling
 """
 
 from __future__ import annotations
@@ -13,6 +26,24 @@ ENGRAM_HASH_SEED = 0x9E3779B9
 ENGRAM_HASH_PRIME = 0x01000193
 ENGRAM_HASH_SHIFT = 15
 UINT32_MASK = 0xFFFFFFFF
+
+# Reference initial values (cactus-needle `architecture.py`); random draws are N(0, initializer_range),
+# residual-stream projections (o_proj, engram value_proj) N(0, initializer_range / sqrt(2 * layers)).
+NORM_WEIGHT_INIT = 0.0  # zero-centred norms: gain 1 + weight
+ATTENTION_GATE_INIT = 0.0
+HADAMARD_DIAG_IN_INIT = 1.0
+HADAMARD_DIAG_HIDDEN_INIT = 1.0
+HADAMARD_DIAG_OUT_INIT = 0.02
+HYPER_CONNECTION_ALPHA_INIT = 0.01
+HYPER_CONNECTION_RES_BIAS_INIT = 4.0  # res_bias = 4 * identity: lanes start (almost) unmixed
+ENGRAM_FIRST_TAP_INIT = 1.0  # conv taps start as the identity: taps[0] = 1, the others 0
+CONTRASTIVE_TEMPERATURE_INIT = 0.07  # log_temperature = log(0.07)
+
+# Probe counts of the pooling heads (fixed by the architecture).
+CONTRASTIVE_PROBES = 4
+CONFIDENCE_PROBES = 8
+# Epsilon of the contrastive embedding's L2 normalisation.
+CONTRASTIVE_NORM_EPS = 1e-12
 
 # Hyper-connection routing: rounds of log-space Sinkhorn normalisation (rows, then columns).
 SINKHORN_ITERATIONS = 20

@@ -14,7 +14,7 @@ its relative imports (`from .x import ...`) the same way, recursively. Hence:
     and nothing from the `needle_hf` package;
   * `AutoConfig` reads configuration_needle.py; `AutoModel`/`AutoModelForCausalLM` read
     modeling_needle.py and its relative imports and need torch only; the Flax classes read
-    modeling_flax_needle.py (+ weight_names.py), which needs jax and flax, and are never looked
+    modeling_flax_needle.py (+ weight_names.py, numerics.py), which needs jax and flax, and are never looked
     at by a PyTorch load. So transformers 5 (no Flax) loads the PyTorch classes from a folder that
     also carries the Flax file;
   * the tokenizer is a plain `PreTrainedTokenizerFast` and needs no code.

@@ -37,15 +37,20 @@ Table (per layer i; engram site s; `T` = transposed):
 Norm weights keep the reference's zero-centred convention: the effective gain is `1 + weight`.
 The output head is tied to `model.embed_tokens.weight` and has no tensor of its own.
 
+This module also holds the one strict checker of tensor names and shapes (`check_weights`) and
+its exception (`NeedleWeightsError`), used by both models, the converters and the Hub tools.
+
 This module needs only numpy, so converters run without jax or torch.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Mapping, Sequence
 
 import numpy as np
+
+from .numerics import CONFIDENCE_PROBES, CONTRASTIVE_PROBES
 
 
 @dataclass(frozen=True)
@@ -148,10 +153,6 @@ def weight_specs(config) -> list[WeightSpec]:
     return specs
 
 
-# Probe counts of the pooling heads (fixed by the architecture).
-CONTRASTIVE_PROBES = 4
-CONFIDENCE_PROBES = 8
-
 # Top-level native subtrees whose presence tells which optional heads a checkpoint carries.
 OPTIONAL_NATIVE_GROUPS = {
     "use_mtp_head": ("mtp_combine", "mtp_emb_norm", "mtp_final_norm", "mtp_block"),
@@ -164,13 +165,100 @@ OPTIONAL_HF_PREFIXES = {
     "use_confidence_head": "confidence_head.",
 }
 
+# Name prefixes of the optional heads' tensors: the bare backbone leaves them unread.
+HEAD_PREFIXES = tuple(OPTIONAL_HF_PREFIXES.values())
 
-def hf_weight_shapes(config) -> dict[str, tuple[int, ...]]:
-    return {spec.hf_name: spec.hf_shape for spec in weight_specs(config)}
+
+def hf_weight_shapes(config, *, prefix: str = "") -> dict[str, tuple[int, ...]]:
+    """HF name -> shape of every parameter of a model with this config (those starting with `prefix`)."""
+    return {spec.hf_name: spec.hf_shape for spec in weight_specs(config) if spec.hf_name.startswith(prefix)}
 
 
-class WeightMappingError(ValueError):
-    """A tensor is missing, unexpected or of the wrong shape."""
+def native_weight_shapes(config) -> dict[str, tuple[int, ...]]:
+    """Native path ("stack/layers/block/...") -> shape of every native leaf (stacked leaves with the layer axis)."""
+    shapes = {}
+    for spec in weight_specs(config):
+        layers = () if spec.layer is None else (config.num_hidden_layers,)
+        shapes["/".join(spec.native_path)] = (*layers, *spec.native_shape)
+    return shapes
+
+
+class NeedleWeightsError(ValueError):
+    """A checkpoint's tensors do not match the model the config describes (missing, unexpected or mis-shaped)."""
+
+
+# Every name prefix (HF and native) that belongs to an optional head, for the hint of `check_weights`.
+_HEAD_NAME_PREFIXES = HEAD_PREFIXES + tuple(
+    key for keys in OPTIONAL_NATIVE_GROUPS.values() for key in keys
+)
+
+
+def check_weights(
+    found: Mapping[str, Sequence[int]],
+    expected: Mapping[str, Sequence[int]],
+    *,
+    where: str,
+    ignore_unexpected_prefixes: Sequence[str] = (),
+    described_as: Mapping[str, str] | None = None,
+) -> None:
+    """Raise `NeedleWeightsError` unless `found` holds exactly the `expected` names with their shapes.
+
+    The message names the first few missing, unexpected and mis-shaped tensors (each kind with its
+    count), e.g. `model.safetensors: missing tensor model.norm.weight (1 missing in all); tensor
+    model.layers.0.self_attn.q_proj.weight: expected shape (64, 64), got (64, 32)`, and says how the
+    optional heads must agree with the config when a head's tensor is among them.
+
+    Args:
+        found: name -> shape of what the checkpoint (file, folder or tree) holds.
+        expected: name -> shape the config implies (`hf_weight_shapes`, `native_weight_shapes`).
+        where: the file, folder or tree checked, first in the message.
+        ignore_unexpected_prefixes: names starting with these may be present without being expected
+            (the bare backbone reading a causal-LM checkpoint ignores the heads).
+        described_as: extra words after a name in the message (native path -> its HF name).
+    """
+    described_as = described_as or {}
+
+    def name(key: str) -> str:
+        return f"{key} ({described_as[key]})" if key in described_as else key
+
+    def first(names: list[str], label: str, noun: str) -> str:
+        shown = ", ".join(f"{label}{name(n)}" for n in names[:3])
+        return f"{shown} ({len(names)} {noun} in all)"
+
+    # Missing and mis-shaped tensors in the order of `expected` (the table's: embedding, layers, heads).
+    missing = [n for n in expected if n not in found]
+    unexpected = sorted(
+        n for n in set(found) - set(expected) if not n.startswith(tuple(ignore_unexpected_prefixes))
+    )
+    wrong = [n for n in expected if n in found and tuple(found[n]) != tuple(expected[n])]
+    problems = []
+    if missing:
+        problems.append(first(missing, "missing tensor ", "missing"))
+    if unexpected:
+        problems.append(first(unexpected, "unexpected tensor ", "unexpected"))
+    if wrong:
+        shapes = [f"tensor {name(n)}: expected shape {tuple(expected[n])}, got {tuple(found[n])}" for n in wrong[:3]]
+        problems.append(", ".join(shapes) + f" ({len(wrong)} of the wrong shape in all)")
+    if not problems:
+        return
+    hint = ""
+    if any(n.startswith(_HEAD_NAME_PREFIXES) for n in missing + unexpected):
+        hint = (
+            ". The optional heads present must agree with use_mtp_head / use_contrastive_head / "
+            "use_confidence_head in config.json (a checkpoint without them, such as a saved base model, "
+            "loads into the causal LM with those set to False: `from_pretrained(path, use_mtp_head=False, ...)`)"
+        )
+    raise NeedleWeightsError(f"{where}: " + "; ".join(problems) + hint)
+
+
+def check_hf_weights(found: Mapping[str, Sequence[int]], config, *, where: str) -> None:
+    """`check_weights` of HF-named shapes against the whole table for `config`."""
+    if config.num_hidden_layers > len(found):
+        # Checked before the table is built: its size follows the config, not the file.
+        raise NeedleWeightsError(
+            f"{where}: config.json says {config.num_hidden_layers} layers, but the weights hold only {len(found)} tensors"
+        )
+    check_weights(found, hf_weight_shapes(config), where=where)
 
 
 def optional_heads_in_native(params: dict) -> dict[str, bool]:
@@ -193,52 +281,39 @@ def _flatten(tree: dict, prefix: tuple[str, ...] = ()) -> Iterator[tuple[tuple[s
             yield path, value
 
 
-def _check_shape(where: str, expected: tuple[int, ...], found: tuple[int, ...]):
-    if tuple(expected) != tuple(found):
-        raise WeightMappingError(f"tensor {where}: expected shape {tuple(expected)}, got {tuple(found)}")
-
-
 def native_to_hf(params: dict, config, *, to_array: Callable = np.asarray, copy: bool = True) -> dict[str, np.ndarray]:
     """Map a native parameter tree to HF-named tensors, strictly.
 
     Every native leaf must be claimed by the table and every table entry must be present, with the
-    shape the config implies; otherwise `WeightMappingError` names the first offending key.
+    shape the config implies; otherwise `NeedleWeightsError` (from `check_weights`) names them.
     With `copy=False` the tensors are views of the native arrays (per-layer slices, transposes), for
     a writer that streams them out one at a time without a second copy of the model.
     """
-    leaves = {path: value for path, value in _flatten(params)}
+    leaves = {"/".join(path): to_array(value) for path, value in _flatten(params)}
     specs = weight_specs(config)
-    claimed: set[tuple[str, ...]] = set()
+    check_weights(
+        {path: leaf.shape for path, leaf in leaves.items()},
+        native_weight_shapes(config),
+        where="native checkpoint",
+        described_as={
+            "/".join(spec.native_path): "for " + (spec.hf_name if spec.layer is None else spec.hf_name.replace(".0.", ".{i}.", 1))
+            for spec in specs
+            if spec.layer in (None, 0)
+        },
+    )
     out: dict[str, np.ndarray] = {}
     for spec in specs:
-        where = "/".join(spec.native_path)
-        if spec.native_path not in leaves:
-            raise WeightMappingError(f"native checkpoint is missing {where} (needed for {spec.hf_name})")
-        leaf = to_array(leaves[spec.native_path])
-        claimed.add(spec.native_path)
-        if spec.layer is not None:
-            _check_shape(where, (config.num_hidden_layers, *spec.native_shape), leaf.shape)
-            leaf = leaf[spec.layer]
-        else:
-            _check_shape(where, spec.native_shape, leaf.shape)
+        leaf = leaves["/".join(spec.native_path)]
+        leaf = leaf if spec.layer is None else leaf[spec.layer]
         leaf = leaf.T if spec.transpose else leaf
         out[spec.hf_name] = np.array(leaf, order="C") if copy else leaf
-    unknown = sorted("/".join(p) for p in leaves if p not in claimed)
-    if unknown:
-        raise WeightMappingError(
-            f"native checkpoint has {len(unknown)} unknown key(s) for this config, first: {unknown[0]}"
-            + (f" (and {unknown[1:4]})" if len(unknown) > 1 else "")
-        )
     return out
 
 
 def hf_to_native(tensors: dict, config) -> dict:
     """Map HF-named tensors back to a native parameter tree (layers re-stacked), strictly."""
-    specs = weight_specs(config)
-    expected = {spec.hf_name for spec in specs}
-    unknown = sorted(set(tensors) - expected)
-    if unknown:
-        raise WeightMappingError(f"unknown tensor {unknown[0]} for this config ({len(unknown)} unknown in all)")
+    tensors = {name: np.asarray(value) for name, value in tensors.items()}
+    check_hf_weights({name: value.shape for name, value in tensors.items()}, config, where="HF tensors")
     stacked: dict[tuple[str, ...], list] = {}
     tree: dict = {}
 
@@ -248,11 +323,8 @@ def hf_to_native(tensors: dict, config) -> dict:
             node = node.setdefault(key, {})
         node[path[-1]] = value
 
-    for spec in specs:
-        if spec.hf_name not in tensors:
-            raise WeightMappingError(f"missing tensor {spec.hf_name}")
-        value = np.asarray(tensors[spec.hf_name])
-        _check_shape(spec.hf_name, spec.hf_shape, value.shape)
+    for spec in weight_specs(config):
+        value = tensors[spec.hf_name]
         value = np.array(value.T if spec.transpose else value, order="C")
         if spec.layer is None:
             put(spec.native_path, value)

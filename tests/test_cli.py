@@ -178,7 +178,7 @@ def test_unknown_key(capsys, params, tmp_path):
     extra = _with_leaf(params, ("stack", "bogus_gate"), np.zeros((3,), np.float32))
     source = tmp_path / "model.pkl"
     write_native_checkpoint(source, extra, CONFIG)
-    _fails(capsys, [source, tmp_path / "out"], "unknown key", "stack/bogus_gate")
+    _fails(capsys, [source, tmp_path / "out"], "unexpected tensor stack/bogus_gate")
     assert _listing(tmp_path) == ["model.pkl"]
 
 
@@ -186,7 +186,7 @@ def test_missing_key(capsys, params, tmp_path):
     missing = {key: value for key, value in params.items() if key != "engrams_1"}
     source = tmp_path / "model.pkl"
     write_native_checkpoint(source, missing, CONFIG)
-    _fails(capsys, [source, tmp_path / "out"], "missing engrams_1/embedding", "model.engrams.1.tables")
+    _fails(capsys, [source, tmp_path / "out"], "missing tensor engrams_1/embedding (for model.engrams.1.tables)")
 
 
 def test_shape_mismatch(capsys, params, tmp_path):
@@ -283,7 +283,7 @@ def test_export_unknown_tensor(capsys, hf_folder, tmp_path):
     tensors = load_file(str(hf_folder / "model.safetensors"))
     tensors["model.layers.1.self_attn.bias"] = np.zeros((64,), np.float32)
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    _fails(capsys, [folder, tmp_path / "out.pkl"], "unknown tensor model.layers.1.self_attn.bias", command="export")
+    _fails(capsys, [folder, tmp_path / "out.pkl"], "unexpected tensor model.layers.1.self_attn.bias", command="export")
     assert _listing(tmp_path) == ["hf", "hf/config.json", "hf/model.safetensors"]
 
 

@@ -11,7 +11,7 @@ from needle_reference import BASE_NATIVE_CONFIG, TINY_NATIVE_CONFIG, make_native
 from needle_hf.configuration_needle import NeedleConfig
 from needle_hf.numerics import engram_indices_numpy, hyper_connection_offsets, walsh_matrix
 from needle_hf.weight_names import (
-    WeightMappingError,
+    NeedleWeightsError,
     hf_to_native,
     hf_weight_shapes,
     native_to_hf,
@@ -97,14 +97,14 @@ def test_weight_table_rejects_unknown_missing_and_misshapen_native_keys():
     params = make_native_params(TINY_NATIVE_CONFIG, 0, with_heads=False)
     config = NeedleConfig.from_needle_config(TINY_NATIVE_CONFIG)
     params["stack"]["mystery"] = np.zeros(3, np.float32)
-    with pytest.raises(WeightMappingError, match="unknown key.*stack/mystery"):
+    with pytest.raises(NeedleWeightsError, match="unexpected tensor stack/mystery"):
         native_to_hf(params, config)
     del params["stack"]["mystery"]
     del params["engrams_1"]["taps"]
-    with pytest.raises(WeightMappingError, match="missing engrams_1/taps"):
+    with pytest.raises(NeedleWeightsError, match="missing tensor engrams_1/taps"):
         native_to_hf(params, config)
     params["engrams_1"]["taps"] = np.zeros((4, 32), np.float32)
-    with pytest.raises(WeightMappingError, match=r"engrams_1/taps: expected shape \(4, 64\), got \(4, 32\)"):
+    with pytest.raises(NeedleWeightsError, match=r"tensor engrams_1/taps \(for model\.engrams\.1\.conv_taps\): expected shape \(4, 64\), got \(4, 32\)"):
         native_to_hf(params, config)
 
 

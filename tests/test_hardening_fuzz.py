@@ -38,14 +38,14 @@ _READER = textwrap.dedent("""
     from needle_hf.conversion.export import ExportError, read_hf_tensors
     from needle_hf.conversion.native_checkpoint import CheckpointFormatError, load_native_checkpoint
     from needle_hf.tokenization_needle import TokenizerSourceError, read_tokenizer_file
-    from needle_hf.weight_names import WeightMappingError
+    from needle_hf.weight_names import NeedleWeightsError
 
     corpus = Path(sys.argv[1])
     config = NeedleConfig.from_pretrained(str(corpus / "config"))
     readers = {
         "pkl": (load_native_checkpoint, CheckpointFormatError),
         "cact": (read_cact, CactFormatError),
-        "safetensors": (lambda path: read_hf_tensors(path, config), (ExportError, WeightMappingError)),
+        "safetensors": (lambda path: read_hf_tensors(path, config), (ExportError, NeedleWeightsError)),
         "json": (read_tokenizer_file, TokenizerSourceError),
     }
     results = {}

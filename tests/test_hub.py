@@ -40,7 +40,7 @@ from hub_support import (
 from needle_hf.conversion.export import ExportError
 from needle_hf.hub import PushError, add_push_arguments, push_folder, run_push
 from needle_hf.modeling_needle import NeedleForCausalLM
-from needle_hf.weight_names import WeightMappingError
+from needle_hf.weight_names import NeedleWeightsError
 
 WEIGHTS = "model.safetensors"
 
@@ -311,7 +311,7 @@ def _break_folder(folder: Path, problem: str):
         ("missing code file", PushError, r"code of AutoModel -> .*, AutoModelForCausalLM -> [\w.]+ \(its module"),
         ("missing imported file", PushError, r"AutoModelForCausalLM -> [\w.]+, FlaxAutoModel -> "),
         ("no auto_map", PushError, "auto_map does not name AutoConfig, AutoModelForCausalLM"),
-        ("weights of another geometry", WeightMappingError, r"tensor model\.embed_tokens\.weight: expected shape"),
+        ("weights of another geometry", NeedleWeightsError, r"tensor model\.embed_tokens\.weight: expected shape"),
         ("no weights", ExportError, "no model.safetensors"),
         ("not a Needle config", ExportError, "model_type 'llama', expected 'needle2'"),
     ],

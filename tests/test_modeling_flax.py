@@ -22,7 +22,7 @@ from needle_reference import (
     reference_logits,
 )
 from needle_hf.modeling_flax_needle import FlaxNeedleForCausalLM, FlaxNeedleModel, sinkhorn
-from needle_hf.weight_names import WeightMappingError, hf_weight_shapes
+from needle_hf.weight_names import NeedleWeightsError, hf_weight_shapes
 from transformers import FlaxAutoModelForCausalLM
 
 SEEDS = (0, 1, 2)
@@ -192,7 +192,7 @@ def test_bad_weights_raise_instead_of_reinitialising(tiny_checkpoints, tmp_path,
     folder, params = tiny_checkpoints[0]
     write_hf_folder(tmp_path, TINY_NATIVE_CONFIG, params)
     _rewrite_weights(tmp_path, edit)
-    with pytest.raises(WeightMappingError, match=message.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(NeedleWeightsError, match=message.replace("(", r"\(").replace(")", r"\)")):
         FlaxNeedleForCausalLM.from_pretrained(tmp_path)
 
 
@@ -201,7 +201,7 @@ def test_flax_format_safetensors_are_refused(tiny_checkpoints, tmp_path):
     write_hf_folder(tmp_path, TINY_NATIVE_CONFIG, params)
     tensors = load_file(tmp_path / "model.safetensors")
     save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "flax"})
-    with pytest.raises(WeightMappingError, match="format 'pt'"):
+    with pytest.raises(NeedleWeightsError, match="format 'pt'"):
         FlaxNeedleForCausalLM.from_pretrained(tmp_path)
 
 
@@ -238,3 +238,54 @@ def test_needle2_geometry_matches_reference(tmp_path):
     ref_embedding, ref_confidence = reference_heads(BASE_NATIVE_CONFIG, params, tokens)
     np.testing.assert_allclose(np.asarray(model.contrastive_embedding(tokens)[0]), ref_embedding, atol=F32_TOL, rtol=0)
     np.testing.assert_allclose(np.asarray(model.confidence_logit(tokens)), ref_confidence, atol=F32_TOL, rtol=0)
+
+
+def test_attention_outputs_are_the_probabilities_of_each_layer(tiny_model):
+    config = tiny_model.config
+    tokens = random_tokens(6, 2, 10, TINY_NATIVE_CONFIG["vocab_size"])
+    mask = np.ones_like(tokens)
+    mask[1, :3] = 0  # left padding
+    out = jax.jit(lambda p, t, m: tiny_model(t, attention_mask=m, params=p, output_attentions=True))(tiny_model.params, tokens, mask)
+    assert len(out.attentions) == config.num_hidden_layers
+    for weights in out.attentions:
+        weights = np.asarray(weights)
+        assert weights.shape == (2, config.num_attention_heads, 10, 10)
+        np.testing.assert_allclose(weights.sum(-1), 1.0, atol=1e-5)
+        assert np.all(np.triu(weights, k=1) == 0)  # causal
+        assert np.all(weights[1, :, 3:, :3] == 0)  # padding keys are never read
+        np.testing.assert_allclose(weights[1, :, :3], np.broadcast_to(np.eye(10)[:3], weights[1, :, :3].shape))  # pad rows: themselves
+    assert tiny_model(tokens, attention_mask=mask).attentions is None
+    # One cached decoding step gives the last row of the full forward's attention.
+    prompt = tokens[:1, :9]
+    cache = tiny_model.init_cache(1, 10)
+    mask10 = np.ones((1, 10), np.int32)
+    positions = np.arange(9)[None]
+    step = tiny_model(prompt, attention_mask=mask10, position_ids=positions, past_key_values=cache)
+    step = tiny_model(tokens[:1, 9:], attention_mask=mask10, position_ids=np.array([[9]]),
+                      past_key_values=step.past_key_values, output_attentions=True)
+    full = tiny_model(tokens[:1], output_attentions=True)
+    for cached, whole in zip(step.attentions, full.attentions):
+        np.testing.assert_allclose(np.asarray(cached)[:, :, 0], np.asarray(whole)[:, :, -1], atol=1e-5)
+
+
+def test_gradient_checkpointing_gives_the_same_gradients(tiny_checkpoints):
+    folder, _ = tiny_checkpoints[1]
+    plain = FlaxNeedleForCausalLM.from_pretrained(folder)
+    checkpointed = FlaxNeedleForCausalLM.from_pretrained(folder, gradient_checkpointing=True)
+    enabled = FlaxNeedleForCausalLM.from_pretrained(folder)
+    enabled.enable_gradient_checkpointing()
+    tokens = random_tokens(9, 2, 12, TINY_NATIVE_CONFIG["vocab_size"])
+
+    def loss(model, params):
+        logits = model(tokens[:, :-1], params=params).logits
+        picked = jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], axis=-1)
+        return -jnp.mean(picked)
+
+    want = jax.grad(lambda p: loss(plain, p))(plain.params)
+    for model in (checkpointed, enabled):
+        assert model.module.gradient_checkpointing
+        jaxpr = str(jax.make_jaxpr(jax.grad(lambda p: loss(model, p)))(model.params))
+        assert "checkpoint" in jaxpr or "remat" in jaxpr  # the layers really are rematerialised
+        got = jax.grad(lambda p: loss(model, p))(model.params)
+        for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(want), jax.tree_util.tree_leaves(got)):
+            np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-6, rtol=1e-5, err_msg=str(path))

@@ -1,0 +1,58 @@
+"""Every Python block of README.md runs, in order, against the demo checkpoint converted to `needle2-hf`.
+
+Runs under transformers 4.57 (`.venv`) and 5.x (`.venv-v5`); the block that starts with a
+`# Flax` comment runs where transformers still has Flax models (4.57) and is checked to need them.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import transformers
+
+from test_pipeline import DEMO_CHECKPOINT, DEMO_TOKENIZER, _build_folder_without_converter
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+HAS_FLAX = hasattr(transformers, "FlaxAutoModelForCausalLM")
+
+
+def python_blocks(text: str) -> list[str]:
+    return re.findall(r"^```python\n(.*?)^```", text, flags=re.DOTALL | re.MULTILINE)
+
+
+@pytest.fixture(scope="module")
+def readme_folder(tmp_path_factory):
+    """A folder holding `needle2-hf`: the demo checkpoint, converted as the README's commands do."""
+    root = tmp_path_factory.mktemp("readme")
+    try:
+        from needle_hf.conversion.convert import convert
+    except ImportError:  # transformers 5 venv: the converter is not installed there
+        _build_folder_without_converter(root / "needle2-hf")
+    else:
+        convert(DEMO_CHECKPOINT, root / "needle2-hf", tokenizer=DEMO_TOKENIZER)
+    return root
+
+
+def test_readme_has_the_usage_blocks():
+    blocks = python_blocks(README.read_text(encoding="utf-8"))
+    assert len(blocks) >= 2
+    flax = [b for b in blocks if b.startswith("# Flax")]
+    assert len(flax) == 1 and "FlaxAutoModelForCausalLM" in flax[0]
+    assert not any("Flax" in b for b in blocks if not b.startswith("# Flax"))  # the rest runs on 5.x too
+
+
+def test_readme_python_blocks_run_and_call_the_tool(readme_folder, monkeypatch):
+    monkeypatch.chdir(readme_folder)
+    namespace: dict = {}
+    ran = 0
+    for block in python_blocks(README.read_text(encoding="utf-8")):
+        if block.startswith("# Flax") and not HAS_FLAX:
+            continue
+        exec(compile(block, str(README), "exec"), namespace)  # noqa: S102  (the README's own code)
+        ran += 1
+        # Each block ends with the tool calls it parsed from the model's answer.
+        assert [call["name"] for call in namespace["calls"]] == ["set_alarm"], block
+        assert set(namespace["calls"][0]["arguments"]) == {"time"}
+    assert ran == (3 if HAS_FLAX else 2)
