@@ -5,6 +5,7 @@ import re
 
 import pytest
 from needle.model.finetune import _encode, render_example
+from finetune_support import EXAMPLES
 from needle.model.tokenizer import SANTokenizer
 
 from needle_hf.finetune_data import (
@@ -16,31 +17,6 @@ from needle_hf.finetune_data import (
     tokenize_conversations,
 )
 from needle_hf.tokenization_needle import PAD_ID, build_fast_tokenizer
-
-WEATHER = {"name": "get_weather", "description": "Météo d'une ville — 天气 ☀️",
-           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
-ALARM = {"name": "set_alarm", "description": "Set an alarm.",
-         "parameters": {"type": "object", "properties": {"hour": {"type": "integer"}, "minute": {"type": "integer"},
-                                                           "label": {"type": "string"}}}}
-EVENT = {"parameters": {"type": "object", "properties": {"when": {"type": "object"}, "who": {"type": "array"}}},
-         "name": "create_event", "description": "Shown as <b>title</b> & 'quoted'"}
-
-# Rows of different shapes in one file: Arrow must not merge their keys (nulls would change the text).
-EXAMPLES = [
-    {"query": "Wake me at 7:30.", "tools": [ALARM], "answers": [{"name": "set_alarm", "arguments": {"hour": 7, "minute": 30}}]},
-    {"system": "  Be brief. 🙂 \n", "query": "Météo à São Paulo et 北京?", "tools": [WEATHER, ALARM],
-     "reasoning": "\nTwo cities, two calls.  ",
-     "answers": [{"name": "get_weather", "arguments": {"city": "São Paulo"}},
-                 {"name": "get_weather", "arguments": {"city": "北京"}}]},
-    {"query": "What's the meaning of life?", "tools": [WEATHER], "reasoning": "No tool applies.", "answers": []},
-    {"query": "Team sync \"Q3\" <ops> & co, all day", "tools": [EVENT],
-     "function_calls": [{"name": "create_event", "arguments": {"when": {"start": "2024-07-01", "all_day": True},
-                                                               "who": ["Zoë", None, 0.5]}}]},
-    {"query": "  alarm   6:05\n\tlabel 'gym'  ", "tools": [ALARM, WEATHER], "system": "Be exact.",
-     "answers": [{"name": "set_alarm", "arguments": {"label": "gym", "hour": 6, "minute": 5}}]},
-    {"query": "Hello there", "answers": []},
-]
-
 
 @pytest.fixture(scope="module")
 def fast_tokenizer(needle_spm_model):
