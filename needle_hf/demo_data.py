@@ -1,7 +1,7 @@
 """Synthetic tool-calling data of the demo model: five phone tools, templated queries, arguments
 copied verbatim from the query.
 
-Each example offers the right tool among one to three tools (shuffled) and answers with one call
+Each example offers the right tool alone or beside one other tool (shuffled) and answers with one call
 whose every argument value is a span of the query (the temperature as an integer). The examples
 are in the Needle fine-tuning JSONL format (`needle_hf.finetune_data`), so the same rows train the
 demo (`scripts/train_demo.py`) and feed the documented workflow (`examples/finetune_tools.py`).
@@ -75,7 +75,7 @@ def make_demo_examples(count: int, *, seed: int) -> list[dict]:
     for _ in range(count):
         target = rng.randrange(len(DEMO_DATA_TOOLS))
         others = [index for index in range(len(DEMO_DATA_TOOLS)) if index != target]
-        offered = [target, *rng.sample(others, rng.randrange(3))]
+        offered = [target, *rng.sample(others, rng.randrange(2))]
         rng.shuffle(offered)
         name = DEMO_DATA_TOOLS[target]["name"]
         arguments = _arguments(name, rng)

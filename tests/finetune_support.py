@@ -13,7 +13,7 @@ from needle_reference import TINY_NATIVE_CONFIG, reference_config
 from spm_fixture import FIXTURE_VOCAB_SIZE
 
 # The tiny geometry with the test tokenizer's vocabulary.
-FINETUNE_NATIVE_CONFIG = dict(TINY_NATIVE_CONFIG, vocab_size=FIXTURE_VOCAB_SIZE)
+FINETUNE_NATIVE_CONFIG = dict(TINY_NATIVE_CONFIG, vocab_size=FIXTURE_VOCAB_SIZE, max_seq_len=512)
 # Reference LoRA kernel name -> PyTorch module name in a backbone layer's self_attn.
 HF_PROJECTION = {"q_proj": "q_proj", "k_proj": "k_proj", "v_proj": "v_proj", "gate_proj": "gate_proj", "out_proj": "o_proj"}
 
