@@ -16,6 +16,10 @@ from pathlib import Path
 from .demo import DEMO_TOOLS
 
 
+#: Seeds of the demo model's training and held-out sets (scripts/train_demo.py).
+DEMO_TRAIN_SEED, DEMO_HELD_OUT_SEED = 11, 12
+
+
 def _tool(name: str, description: str, properties: dict) -> dict:
     """A bare tool schema whose properties are all required."""
     return {"name": name, "description": description,
@@ -33,16 +37,16 @@ DEMO_DATA_TOOLS = [
     _tool("get_weather", "Get the weather forecast for a city.", {"city": {"type": "string"}}),
 ]
 
-_CONTACTS = ("Alice", "Bob", "Grace", "Hiroshi", "Fatima", "Dmitri", "Emma", "Lucas", "Mia", "Noah", "Sara", "Tom")
-_MESSAGES = ("I'm running late", "see you soon", "call me back", "dinner is ready", "happy birthday",
+CONTACTS = ("Alice", "Bob", "Grace", "Hiroshi", "Fatima", "Dmitri", "Emma", "Lucas", "Mia", "Noah", "Sara", "Tom")
+MESSAGES = ("I'm running late", "see you soon", "call me back", "dinner is ready", "happy birthday",
              "the meeting moved to Thursday", "on my way", "thanks for the help")
-_SONGS = ("Yesterday", "Hey Jude", "Bohemian Rhapsody", "Imagine", "Hotel California", "Wonderwall",
+SONGS = ("Yesterday", "Hey Jude", "Bohemian Rhapsody", "Imagine", "Hotel California", "Wonderwall",
           "Let It Be", "Clocks", "Yellow", "Halo", "Africa", "Dancing Queen")
-_CITIES = ("Paris", "Tokyo", "New York", "Berlin", "Lagos", "Lima", "Seoul", "Madrid", "Rome", "Cairo",
+CITIES = ("Paris", "Tokyo", "New York", "Berlin", "Lagos", "Lima", "Seoul", "Madrid", "Rome", "Cairo",
            "Sydney", "Toronto")
 
 # Query templates per tool; the slots are the tool's argument names.
-_TEMPLATES = {
+QUERY_TEMPLATES = {
     "set_alarm": ("Wake me up at {time} tomorrow.", "Set an alarm for {time}.", "Alarm at {time} please.",
                   "Can you wake me at {time}?", "I need an alarm at {time}."),
     "send_message": ("Text {to} that {text}.", "Send a message to {to} saying {text}.",
@@ -60,12 +64,12 @@ def _arguments(name: str, rng: random.Random) -> dict:
     if name == "set_alarm":
         return {"time": f"{rng.randrange(24)}:{rng.choice((0, 5, 10, 15, 20, 30, 40, 45, 50)):02d}"}
     if name == "send_message":
-        return {"to": rng.choice(_CONTACTS), "text": rng.choice(_MESSAGES)}
+        return {"to": rng.choice(CONTACTS), "text": rng.choice(MESSAGES)}
     if name == "play_music":
-        return {"song": rng.choice(_SONGS)}
+        return {"song": rng.choice(SONGS)}
     if name == "set_temperature":
         return {"degrees": rng.randrange(16, 29)}
-    return {"city": rng.choice(_CITIES)}
+    return {"city": rng.choice(CITIES)}
 
 
 def make_demo_examples(count: int, *, seed: int) -> list[dict]:
@@ -79,7 +83,7 @@ def make_demo_examples(count: int, *, seed: int) -> list[dict]:
         rng.shuffle(offered)
         name = DEMO_DATA_TOOLS[target]["name"]
         arguments = _arguments(name, rng)
-        query = rng.choice(_TEMPLATES[name]).format(**arguments)
+        query = rng.choice(QUERY_TEMPLATES[name]).format(**arguments)
         examples.append({"tools": [DEMO_DATA_TOOLS[index] for index in offered], "query": query,
                          "answers": [{"name": name, "arguments": arguments}]})
     return examples

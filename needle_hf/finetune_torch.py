@@ -96,9 +96,16 @@ def needle_causal_lm_loss(
 
 class NeedleLossMixin:
     """`compute_loss` for `Trainer` subclasses: `needle_causal_lm_loss`, with the MTP term when
-    ``mtp_loss_weight > 0``. Set ``mtp_loss_weight`` through the subclass constructor."""
+    ``mtp_loss_weight > 0``.
 
-    mtp_loss_weight: float = 0.0
+    Args:
+        mtp_loss_weight: weight of the MTP head's t + 2 loss (0 = next-token loss only).
+        Every other argument is the trainer's.
+    """
+
+    def __init__(self, *args, mtp_loss_weight: float = 0.0, **trainer_arguments):
+        super().__init__(*args, **trainer_arguments)
+        self.mtp_loss_weight = float(mtp_loss_weight)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         inputs = dict(inputs)
@@ -116,13 +123,4 @@ class NeedleLossMixin:
 
 
 class NeedleTrainer(NeedleLossMixin, Trainer):
-    """`transformers.Trainer` with the Needle fine-tuning loss.
-
-    Args:
-        mtp_loss_weight: weight of the MTP head's t + 2 loss (0 = next-token loss only).
-        Every other argument is `Trainer`'s.
-    """
-
-    def __init__(self, *args, mtp_loss_weight: float = 0.0, **trainer_arguments):
-        super().__init__(*args, **trainer_arguments)
-        self.mtp_loss_weight = float(mtp_loss_weight)
+    """`transformers.Trainer` with the Needle fine-tuning loss (``mtp_loss_weight`` as in `NeedleLossMixin`)."""

@@ -11,13 +11,4 @@ from .finetune_torch import NeedleLossMixin
 
 
 class NeedleSFTTrainer(NeedleLossMixin, SFTTrainer):
-    """`trl.SFTTrainer` computing `needle_causal_lm_loss`.
-
-    Args:
-        mtp_loss_weight: weight of the MTP head's t + 2 loss (0 = next-token loss only).
-        Every other argument is `SFTTrainer`'s.
-    """
-
-    def __init__(self, *args, mtp_loss_weight: float = 0.0, **trainer_arguments):
-        super().__init__(*args, **trainer_arguments)
-        self.mtp_loss_weight = float(mtp_loss_weight)
+    """`trl.SFTTrainer` computing `needle_causal_lm_loss` (``mtp_loss_weight`` as in `NeedleLossMixin`)."""

@@ -37,7 +37,6 @@ HERE = Path(__file__).resolve().parent
 DEMO_DIR = HERE / "demo"
 CHECKPOINT = DEMO_DIR / "needle2-demo.pkl"
 TOKENIZER = DEMO_DIR / "tokenizer.model"
-TRAIN_SEED, HELD_OUT_SEED = 11, 12
 TRAIN_EXAMPLES = 6400
 HELD_OUT_EXAMPLES = 200
 MTP_LOSS_WEIGHT = 0.3
@@ -88,7 +87,7 @@ def main(argv=None) -> int:
 
     from needle_hf.conversion.convert import convert
     from needle_hf.conversion.export import export_native
-    from needle_hf.demo_data import make_demo_examples
+    from needle_hf.demo_data import DEMO_HELD_OUT_SEED, DEMO_TRAIN_SEED, make_demo_examples
     from needle_hf.finetune_data import NeedlePaddingCollator, conversations_dataset, tokenize_conversations
     from needle_hf.finetune_torch import NeedleTrainer
     from needle_hf.modeling_needle import NeedleForCausalLM
@@ -104,9 +103,9 @@ def main(argv=None) -> int:
         print(f"      {sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters")
 
         print(f"[2/5] synthetic data: {TRAIN_EXAMPLES} training and {HELD_OUT_EXAMPLES} held-out examples")
-        train = tokenize_conversations(conversations_dataset(make_demo_examples(TRAIN_EXAMPLES, seed=TRAIN_SEED)),
+        train = tokenize_conversations(conversations_dataset(make_demo_examples(TRAIN_EXAMPLES, seed=DEMO_TRAIN_SEED)),
                                        tokenizer)
-        held_out = make_demo_examples(HELD_OUT_EXAMPLES, seed=HELD_OUT_SEED)
+        held_out = make_demo_examples(HELD_OUT_EXAMPLES, seed=DEMO_HELD_OUT_SEED)
         held_out_rows = tokenize_conversations(conversations_dataset(held_out), tokenizer)
         longest = max(len(ids) for ids in train["input_ids"])
         print(f"      up to {longest} tokens per example")

@@ -5,7 +5,7 @@ import re
 
 import pytest
 from needle.model.finetune import _encode, render_example
-from finetune_support import EXAMPLES
+from finetune_support import EXAMPLES, fast_tokenizer  # noqa: F401  (fast_tokenizer: a fixture)
 from needle.model.tokenizer import SANTokenizer
 
 from needle_hf.finetune_data import (
@@ -16,12 +16,7 @@ from needle_hf.finetune_data import (
     load_finetune_dataset,
     tokenize_conversations,
 )
-from needle_hf.tokenization_needle import PAD_ID, build_fast_tokenizer
-
-@pytest.fixture(scope="module")
-def fast_tokenizer(needle_spm_model):
-    return build_fast_tokenizer(needle_spm_model)
-
+from needle_hf.tokenization_needle import PAD_ID
 
 @pytest.fixture(scope="module")
 def reference_tokenizer(needle_spm_model):

@@ -3,21 +3,23 @@ trains with `Trainer` and TRL's `SFTTrainer` (assistant-only loss) to a lower he
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
-from finetune_support import (
+from finetune_support import (  # noqa: F401  (fast_tokenizer, parity_case: fixtures)
     EXAMPLES,
     FINETUNE_NATIVE_CONFIG,
-    load_adapter_into_peft,
+    GRADIENT_TOLERANCE,
+    LOSS_TOLERANCE,
+    PARITY_ALPHA,
+    PARITY_MTP_LOSS_WEIGHT,
+    PARITY_RANK,
+    fast_tokenizer,
     max_relative_difference,
+    parity_case,
     peft_gradients,
-    reference_adapter,
-    reference_finetune_loss,
+    peft_model_with_the_parity_adapter,
+    torch_model_of,
 )
-from needle.model.finetune import _encode
-from needle.model.tokenizer import SANTokenizer
-from needle_reference import make_native_params
 from peft import get_peft_model
 from transformers import TrainingArguments
 
@@ -29,11 +31,6 @@ from needle_hf.modeling_needle import NeedleForCausalLM
 from needle_hf.tokenization_needle import PAD_ID, build_fast_tokenizer
 from needle_hf.weight_names import native_to_hf
 
-RANK, ALPHA = 4, 8.0
-LOSS_TOLERANCE = 1e-5  # absolute, float32
-GRADIENT_TOLERANCE = 1e-4  # relative to the largest gradient of each tensor
-
-
 @pytest.fixture(scope="module", autouse=True)
 def one_cpu_thread():
     previous = torch.get_num_threads()
@@ -42,52 +39,34 @@ def one_cpu_thread():
     torch.set_num_threads(previous)
 
 
-@pytest.fixture(scope="module")
-def fast_tokenizer(needle_spm_model):
-    return build_fast_tokenizer(needle_spm_model)
-
-
-@pytest.fixture(scope="module")
-def native_params():
-    return make_native_params(FINETUNE_NATIVE_CONFIG, seed=3, with_heads=False)
-
-
-def torch_model(params) -> NeedleForCausalLM:
-    config = NeedleConfig.from_needle_config(FINETUNE_NATIVE_CONFIG)
-    model = NeedleForCausalLM._from_config(config, torch_dtype=torch.float32)
-    model.load_state_dict({name: torch.from_numpy(value) for name, value in native_to_hf(params, config).items()})
-    return model
-
-
 def hf_batch(fast_tokenizer, examples):
     rows = tokenize_conversations(conversations_dataset(examples), fast_tokenizer)
     return NeedlePaddingCollator(pad_token_id=PAD_ID)(list(rows))
 
 
-@pytest.mark.parametrize("mtp_loss_weight", [0.0, 0.5])
-def test_loss_and_lora_gradients_equal_the_reference(native_params, fast_tokenizer, needle_spm_model, mtp_loss_weight):
-    lora = reference_adapter(native_params, rank=RANK, seed=5)
+def test_loss_and_lora_gradients_equal_the_reference(parity_case, fast_tokenizer):
+    model = peft_model_with_the_parity_adapter(parity_case)
     batch = hf_batch(fast_tokenizer, EXAMPLES)
-    length = batch["input_ids"].shape[1]
-    encoded = [_encode(SANTokenizer(needle_spm_model), example, length) for example in EXAMPLES]
-    ids, mask = np.array([e[0] for e in encoded]), np.array([e[1] for e in encoded], np.float32)
-    assert (ids == batch["input_ids"].numpy()).all()
-    expected_loss, expected_grads = reference_finetune_loss(
-        FINETUNE_NATIVE_CONFIG, native_params, lora, scale=ALPHA / RANK, ids=ids, mask=mask,
-        mtp_loss_weight=mtp_loss_weight)
-
-    model = get_peft_model(torch_model(native_params), needle_lora_config(rank=RANK, alpha=ALPHA))
-    load_adapter_into_peft(model, lora)
+    assert (batch["input_ids"].numpy() == parity_case["ids"]).all()
     trainer = NeedleTrainer(model=model, args=TrainingArguments(output_dir="unused", report_to=[]),
-                            mtp_loss_weight=mtp_loss_weight)
+                            mtp_loss_weight=PARITY_MTP_LOSS_WEIGHT)
     loss = trainer.compute_loss(model, batch)
     loss.backward()
-    assert abs(loss.item() - expected_loss) <= LOSS_TOLERANCE
-    assert max_relative_difference(peft_gradients(model, lora), expected_grads) <= GRADIENT_TOLERANCE
+    expected = parity_case["next_token_loss"] + PARITY_MTP_LOSS_WEIGHT * parity_case["mtp_loss"]
+    assert abs(loss.item() - expected) <= LOSS_TOLERANCE
+    assert max_relative_difference(peft_gradients(model, parity_case["lora"]), parity_case["gradients"]) <= GRADIENT_TOLERANCE
+
+    with torch.no_grad():
+        outputs = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], return_mtp_logits=True)
+    next_token = needle_causal_lm_loss(outputs.logits, batch["labels"])
+    mtp = (needle_causal_lm_loss(outputs.logits, batch["labels"], mtp_logits=outputs.mtp_logits, mtp_loss_weight=1.0)
+           - next_token)
+    assert abs(next_token.item() - parity_case["next_token_loss"]) <= LOSS_TOLERANCE
+    assert abs(mtp.item() - parity_case["mtp_loss"]) <= LOSS_TOLERANCE
 
 
-def test_lora_targets_only_the_five_backbone_projections(native_params):
-    model = get_peft_model(torch_model(native_params), needle_lora_config(rank=RANK, alpha=ALPHA))
+def test_lora_targets_only_the_five_backbone_projections(parity_case):
+    model = get_peft_model(torch_model_of(parity_case["params"]), needle_lora_config(rank=PARITY_RANK, alpha=PARITY_ALPHA))
     adapted = {name.split(".lora_A")[0] for name, _ in model.named_parameters() if ".lora_A." in name}
     layers = FINETUNE_NATIVE_CONFIG["num_layers"]
     assert adapted == {f"base_model.model.model.layers.{i}.self_attn.{p}"
@@ -95,8 +74,8 @@ def test_lora_targets_only_the_five_backbone_projections(native_params):
     assert all(not p.requires_grad for n, p in model.named_parameters() if "lora_" not in n)
 
 
-def test_loss_without_mtp_is_the_models_labels_loss(native_params, fast_tokenizer):
-    model = torch_model(native_params)
+def test_loss_without_mtp_is_the_models_labels_loss(parity_case, fast_tokenizer):
+    model = torch_model_of(parity_case["params"])
     batch = hf_batch(fast_tokenizer, EXAMPLES[:3])
     outputs = model(**batch)
     assert torch.allclose(needle_causal_lm_loss(outputs.logits, batch["labels"]), outputs.loss, atol=1e-6)
@@ -151,3 +130,34 @@ def test_trl_sft_trainer_with_assistant_only_loss_lowers_the_held_out_loss(tmp_p
     trainer.train()
     after = trainer.evaluate()["eval_loss"]
     assert after < before - 0.1, (before, after)
+
+
+def test_shipped_demo_model_answers_held_out_prompts_with_the_exact_calls():
+    import pickle
+    from pathlib import Path
+
+    from needle_hf.demo_data import DEMO_HELD_OUT_SEED
+    from needle_hf.tool_calls import ToolCallParseError, parse_tool_calls
+    from needle_hf.weight_names import optional_heads_in_native
+
+    demo = Path(__file__).resolve().parent.parent / "scripts" / "demo"
+    with open(demo / "needle2-demo.pkl", "rb") as handle:
+        checkpoint = pickle.load(handle)
+    config = NeedleConfig.from_needle_config(checkpoint["config"], **optional_heads_in_native(checkpoint["params"]))
+    model = NeedleForCausalLM(config)
+    model.load_state_dict({k: torch.from_numpy(v) for k, v in native_to_hf(checkpoint["params"], config).items()})
+    tokenizer = build_fast_tokenizer(str(demo / "tokenizer.model"))
+    tokenizer.padding_side = "left"
+    examples = make_demo_examples(10, seed=DEMO_HELD_OUT_SEED)
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": e["query"]}], tools=e["tools"],
+                                             add_generation_prompt=True, tokenize=False) for e in examples]
+    inputs = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    with torch.no_grad():
+        generated = model.eval().generate(**inputs, max_new_tokens=40, do_sample=False)
+    exact = 0
+    for example, row in zip(examples, generated[:, inputs["input_ids"].shape[1]:]):
+        try:
+            exact += parse_tool_calls(tokenizer.decode(row, skip_special_tokens=True)) == example["answers"]
+        except ToolCallParseError:
+            pass
+    assert exact >= 9, f"{exact}/10 exact tool calls"
