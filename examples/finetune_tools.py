@@ -27,6 +27,7 @@ Try it on the demo model and its synthetic data (a few minutes on a CPU):
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -77,6 +78,9 @@ def main(argv=None) -> int:
     print(f"{len(train)} training examples, {len(held_out) if held_out else 0} held out")
 
     torch.set_num_threads(args.threads)
+    # Warm-up over the first 5% of the steps, as the reference (a step count: transformers 5 has no warmup_ratio).
+    total_steps = math.ceil(len(train) / args.batch_size) * args.epochs
+    warmup_steps = max(1, int(total_steps) // 20)
     model = NeedleForCausalLM.from_pretrained(args.base, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(args.base)
     trainer = NeedleSFTTrainer(
@@ -84,7 +88,7 @@ def main(argv=None) -> int:
         args=SFTConfig(
             output_dir=str(args.out / "checkpoints"), num_train_epochs=args.epochs,
             per_device_train_batch_size=args.batch_size, per_device_eval_batch_size=args.batch_size,
-            learning_rate=args.learning_rate, warmup_ratio=0.05, lr_scheduler_type="cosine", max_grad_norm=1.0,
+            learning_rate=args.learning_rate, warmup_steps=warmup_steps, lr_scheduler_type="cosine", max_grad_norm=1.0,
             assistant_only_loss=True, max_length=args.max_length, logging_steps=10, save_strategy="no",
             eval_strategy="epoch" if held_out else "no", report_to=[], seed=args.seed,
             # The Needle modules do not support gradient checkpointing yet (SFTConfig turns it on by default).
