@@ -33,6 +33,11 @@ DEMO_TOOLS = [
     }
 ]
 DEMO_QUERY = "Wake me up at 7:30 tomorrow."
+DEMO_MODEL_DESCRIPTION = (
+    "a 0.9M-parameter Needle 2 (d=128, 4 layers) fine-tuned with transformers' Trainer "
+    "(scripts/train_demo.py) on synthetic calls of five phone tools (set_alarm, send_message, play_music, "
+    "set_temperature, get_weather); it answers such requests, nothing else"
+)
 
 
 def parse_args(argv):
@@ -51,7 +56,7 @@ def main(argv=None) -> int:
     if checkpoint is None:
         checkpoint = REPO_DEMO_DIR / "needle2-demo.pkl"
         tokenizer_path = tokenizer_path or REPO_DEMO_DIR / "tokenizer.model"
-        print(f"[demo] no checkpoint given: using the shipped demo checkpoint {checkpoint} (untrained weights)")
+        print(f"[demo] no checkpoint given: using the shipped demo checkpoint {checkpoint}: {DEMO_MODEL_DESCRIPTION}")
 
     import jax
     from transformers import AutoTokenizer, FlaxAutoModelForCausalLM
@@ -106,7 +111,7 @@ def main(argv=None) -> int:
     try:
         print(f"      tool calls: {json.dumps(parse_tool_calls(text))}")
     except ToolCallParseError as error:
-        print(f"      no tool call parsed ({error}); expected with untrained weights")
+        print(f"      no tool call parsed ({error})")
     print(f"[demo] done: the HF folder is {Path(args.out).resolve()}")
     return 0
 

@@ -1,4 +1,7 @@
-"""Make the small, briefly trained Needle 2 checkpoint the main job converts (scripts/demo/).
+"""Make the small, briefly trained Needle 2 base checkpoint of the demo (scripts/demo/).
+
+scripts/train_demo.py then retrains it through the Hugging Face path into the checkpoint the main
+job converts (same file); this script records how the base was made.
 
 The released Needle 2 weights and tokenizer live on the Hugging Face Hub, which this project's
 machines cannot reach. The demo therefore ships a stand-in made here, reproducibly (fixed seeds):
@@ -33,6 +36,8 @@ import time
 
 import numpy as np
 
+from needle_hf.demo_data import CITIES, CONTACTS, MESSAGES, QUERY_TEMPLATES, SONGS
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 
@@ -59,51 +64,11 @@ PEAK_LEARNING_RATE = 3e-3
 MAX_NEW_TOKENS = 48
 
 
-def _tool(name, description, properties):
-    """One bare tool schema; every property is a required string or integer."""
-    return {
-        "name": name,
-        "description": description,
-        "parameters": {"type": "object", "properties": properties, "required": list(properties)},
-    }
-
-
 def demo_tools():
-    """The five tools of the synthetic data set; set_alarm is the main job's (needle_hf.demo.DEMO_TOOLS)."""
-    from needle_hf.demo import DEMO_TOOLS
+    """The five tools of the synthetic data set (needle_hf.demo_data); set_alarm is the main job's."""
+    from needle_hf.demo_data import DEMO_DATA_TOOLS
 
-    return [
-        DEMO_TOOLS[0]["function"],
-        _tool("send_message", "Send a text message to a contact.",
-              {"to": {"type": "string", "description": "Name of the contact."},
-               "text": {"type": "string", "description": "Text to send."}}),
-        _tool("play_music", "Play a song.", {"song": {"type": "string", "description": "Song title."}}),
-        _tool("set_temperature", "Set the thermostat.",
-              {"degrees": {"type": "integer", "description": "Target temperature in Celsius."}}),
-        _tool("get_weather", "Get the weather forecast for a city.", {"city": {"type": "string"}}),
-    ]
-
-
-_CONTACTS = ("Alice", "Bob", "Grace", "Hiroshi", "Fatima", "Dmitri", "Emma", "Lucas", "Mia", "Noah", "Sara", "Tom")
-_MESSAGES = ("I'm running late", "see you soon", "call me back", "dinner is ready", "happy birthday",
-             "the meeting moved to Thursday", "on my way", "thanks for the help")
-_SONGS = ("Yesterday", "Hey Jude", "Bohemian Rhapsody", "Imagine", "Hotel California", "Wonderwall",
-          "Let It Be", "Clocks", "Yellow", "Halo", "Africa", "Dancing Queen")
-_CITIES = ("Paris", "Tokyo", "New York", "Berlin", "Lagos", "Lima", "Seoul", "Madrid", "Rome", "Cairo",
-           "Sydney", "Toronto")
-
-# Query templates per tool; the slot names are the tool's argument names.
-_TEMPLATES = {
-    "set_alarm": ("Wake me up at {time} tomorrow.", "Set an alarm for {time}.", "Alarm at {time} please.",
-                  "Can you wake me at {time}?", "I need an alarm at {time}."),
-    "send_message": ("Text {to} that {text}.", "Send a message to {to} saying {text}.",
-                     "Tell {to} {text}.", "Message {to}: {text}."),
-    "play_music": ("Play {song}.", "Put on {song}.", "I want to hear {song}.", "Can you play {song}?"),
-    "set_temperature": ("Set the temperature to {degrees} degrees.", "Make it {degrees} degrees in here.",
-                        "Change the thermostat to {degrees}.", "Heat the house to {degrees} degrees."),
-    "get_weather": ("What's the weather in {city}?", "Weather forecast for {city}.",
-                    "Will it rain in {city} today?", "How hot is it in {city}?"),
-}
+    return DEMO_DATA_TOOLS
 
 
 def _slot_values(name, rng):
@@ -112,15 +77,15 @@ def _slot_values(name, rng):
         hour, minute = int(rng.integers(0, 24)), int(rng.choice([0, 5, 10, 15, 20, 30, 40, 45, 50]))
         return {"time": f"{hour:02d}:{minute:02d}"}, {"time": f"{hour}:{minute:02d}"}
     if name == "send_message":
-        arguments = {"to": str(rng.choice(_CONTACTS)), "text": str(rng.choice(_MESSAGES))}
+        arguments = {"to": str(rng.choice(CONTACTS)), "text": str(rng.choice(MESSAGES))}
         return arguments, arguments
     if name == "play_music":
-        arguments = {"song": str(rng.choice(_SONGS))}
+        arguments = {"song": str(rng.choice(SONGS))}
         return arguments, arguments
     if name == "set_temperature":
         degrees = int(rng.integers(16, 29))
         return {"degrees": degrees}, {"degrees": str(degrees)}
-    arguments = {"city": str(rng.choice(_CITIES))}
+    arguments = {"city": str(rng.choice(CITIES))}
     return arguments, arguments
 
 
@@ -136,7 +101,7 @@ def make_examples(count, seed):
         rng.shuffle(offered)
         name = tools[target]["name"]
         arguments, slots = _slot_values(name, rng)
-        query = str(rng.choice(_TEMPLATES[name])).format(**slots)
+        query = str(rng.choice(QUERY_TEMPLATES[name])).format(**slots)
         examples.append({"tools": [tools[i] for i in offered], "query": query,
                          "answers": [{"name": name, "arguments": arguments}]})
     return examples

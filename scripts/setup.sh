@@ -14,8 +14,9 @@ command -v "$PYTHON" >/dev/null || PYTHON=python3
 # torch 2.13.0 has a CPU wheel on this machine's disk; any other torch request pulls a multi-GB CUDA build.
 TORCH="torch==2.13.0"
 REFERENCE="cactus-needle[train]==2.0.15"
-# LoRA adapters (PEFT), pinned so it cannot move transformers/torch.
-PEFT="peft==0.21.2"
+# Fine-tuning stack (the `finetune` extra), the same pins in both environments; datasets 5.0.1 is the
+# newest release that accepts huggingface_hub<1.0 (.venv), 5.2.0 the one for huggingface_hub 1.x (.venv-v5).
+FINETUNE="peft==0.21.2 trl==1.16.0 accelerate==1.15.0"
 
 stamp_of() { cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16; }
 STAMP=$(stamp_of)
@@ -27,8 +28,9 @@ if [ ! -f .venv/.needle-setup-$STAMP ]; then
     [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
     pip_quiet .venv/bin/python -m pip install --upgrade pip
     pip_quiet .venv/bin/python -m pip install "$TORCH" "transformers==4.57.6" "$REFERENCE" \
-        "jax>=0.4.30" "flax>=0.10" "huggingface_hub<1.0" pytest psutil sentencepiece "$PEFT"
-    pip_quiet .venv/bin/python -m pip install -e ".[flax,torch,finetune,test]" "$TORCH" "transformers==4.57.6" "$PEFT"
+        "jax>=0.4.30" "flax>=0.10" "huggingface_hub<1.0" pytest psutil sentencepiece
+    pip_quiet .venv/bin/python -m pip install -e ".[flax,torch,test,finetune]" "$TORCH" "transformers==4.57.6" \
+        "huggingface_hub<1.0" "datasets==5.0.1" $FINETUNE
     rm -f .venv/.needle-setup-*
     touch .venv/.needle-setup-$STAMP
 fi
@@ -38,7 +40,8 @@ if [ ! -f .venv-v5/.needle-setup-$STAMP ]; then
     [ -x .venv-v5/bin/python ] || "$PYTHON" -m venv .venv-v5
     pip_quiet .venv-v5/bin/python -m pip install --upgrade pip
     pip_quiet .venv-v5/bin/python -m pip install "$TORCH" "transformers>=5,<6" "huggingface_hub>=1.0" \
-        safetensors tokenizers sentencepiece protobuf jinja2 numpy pytest psutil "$REFERENCE" "$PEFT"
+        safetensors tokenizers sentencepiece protobuf jinja2 numpy pytest psutil "$REFERENCE" \
+        "datasets==5.2.0" $FINETUNE
     rm -f .venv-v5/.needle-setup-*
     touch .venv-v5/.needle-setup-$STAMP
 fi

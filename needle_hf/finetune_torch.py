@@ -1,0 +1,126 @@
+"""Fine-tuning the PyTorch Needle model with the Hugging Face stack: the loss, PEFT LoRA, Trainer, TRL.
+
+The objective is the reference's (cactus-needle `finetune.py`): next-token cross-entropy on the
+assistant target and the EOS only, averaged over every such token of the batch (one token mean, not
+a mean of per-row means). Optionally the multi-token-prediction head joins it:
+
+    loss = CE(logits[:, t], labels[:, t + 1]) + mtp_loss_weight * CE(mtp_logits[:, t], labels[:, t + 2])
+
+where ``mtp_logits[:, t]`` scores token t + 2 (the MTP head reads the hidden state at t and the
+embedding of token t + 1). Both terms average over their own target tokens; under gradient
+accumulation `Trainer` passes ``num_items_in_batch`` (the next-token target count over the
+accumulated batches) and both sums are divided by it, which keeps the accumulated gradient equal
+to the one of the whole batch for the next-token term (the MTP term has one target fewer per row).
+
+LoRA: `needle_lora_config` targets the five projections the reference adapts (q, k, v, gate and the
+attention output, ``o_proj`` here for the reference's ``out_proj``) in the backbone layers only, not
+the MTP block's. PEFT's ``lora_alpha / r`` scale is the reference's ``alpha / rank``; with
+``lora_A.weight = A.T`` and ``lora_B.weight = B.T`` a reference adapter computes the same function.
+
+`NeedleTrainer` (a `transformers.Trainer`) and `needle_hf.finetune_trl.NeedleSFTTrainer` (a TRL `SFTTrainer`) compute this
+loss themselves. `SFTTrainer`'s own loss projects the last hidden state through
+`get_output_embeddings()` in tiles and reads its ``bias``, which the tied Needle embedding does not
+have, and it would skip the MTP head; `NeedleLossMixin.compute_loss` replaces it. Needle's modules
+do not support gradient checkpointing yet, so pass ``gradient_checkpointing=False`` to `SFTConfig`
+(whose default is True).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from transformers import Trainer
+
+from .finetune_data import IGNORE_INDEX
+
+#: Module names (PyTorch) of the reference's LoRA targets; ``o_proj`` is its ``out_proj``.
+LORA_TARGET_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "gate_proj", "o_proj")
+#: PEFT ``target_modules`` regex: those projections in the backbone layers (not the MTP block).
+BACKBONE_LORA_TARGETS = r"model\.layers\.\d+\.self_attn\.(" + "|".join(LORA_TARGET_PROJECTIONS) + ")"
+
+
+def needle_lora_config(*, rank: int = 8, alpha: float = 16.0, dropout: float = 0.0):
+    """`peft.LoraConfig` of the reference's adapter: rank ``rank``, scale ``alpha / rank``, no bias."""
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=rank, lora_alpha=alpha, lora_dropout=dropout, bias="none", target_modules=BACKBONE_LORA_TARGETS,
+        task_type="CAUSAL_LM",
+    )
+
+
+def _shifted_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, shift: int, denominator) -> torch.Tensor:
+    """Sum of CE(logits[:, t], labels[:, t + shift]) over labelled targets, divided by ``denominator``.
+
+    logits [B, T, V] float32, labels [B, T] (-100 = no target).
+    """
+    targets = labels[:, shift:].to(logits.device)
+    scores = logits[:, :-shift].float()
+    total = F.cross_entropy(
+        scores.reshape(-1, scores.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+    if denominator is None:
+        denominator = (targets != IGNORE_INDEX).sum()
+    return total / torch.as_tensor(denominator, device=total.device).clamp(min=1)
+
+
+def needle_causal_lm_loss(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    mtp_logits: Optional[torch.Tensor] = None,
+    mtp_loss_weight: float = 0.0,
+    num_items_in_batch=None,
+) -> torch.Tensor:
+    """The Needle fine-tuning loss (see the module docstring).
+
+    Args:
+        logits: [B, T, V] next-token logits (``logits[:, t]`` scores token t + 1).
+        labels: [B, T] the input ids, -100 outside the loss mask (prompt, BOS, padding).
+        mtp_logits: [B, T, V] MTP logits (``mtp_logits[:, t]`` scores token t + 2); needed when
+            ``mtp_loss_weight > 0``.
+        num_items_in_batch: the next-token target count of the whole (accumulated) batch, from
+            `Trainer`; None divides each term by its own target count in this batch.
+    Returns:
+        scalar float32 loss.
+    """
+    loss = _shifted_cross_entropy(logits, labels, 1, num_items_in_batch)
+    if mtp_loss_weight:
+        if mtp_logits is None:
+            raise ValueError("mtp_loss_weight > 0 needs mtp_logits (call the model with return_mtp_logits=True)")
+        loss = loss + mtp_loss_weight * _shifted_cross_entropy(mtp_logits, labels, 2, num_items_in_batch)
+    return loss
+
+
+class NeedleLossMixin:
+    """`compute_loss` for `Trainer` subclasses: `needle_causal_lm_loss`, with the MTP term when
+    ``mtp_loss_weight > 0``.
+
+    Args:
+        mtp_loss_weight: weight of the MTP head's t + 2 loss (0 = next-token loss only).
+        Every other argument is the trainer's.
+    """
+
+    def __init__(self, *args, mtp_loss_weight: float = 0.0, **trainer_arguments):
+        super().__init__(*args, **trainer_arguments)
+        self.mtp_loss_weight = float(mtp_loss_weight)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        inputs = dict(inputs)
+        labels = inputs.pop("labels")
+        # TRL's collator adds bookkeeping columns the model does not take.
+        for name in ("completion_mask", "assistant_masks", "position_ids"):
+            inputs.pop(name, None)
+        with_mtp = self.mtp_loss_weight > 0
+        outputs = model(**inputs, use_cache=False, return_mtp_logits=with_mtp)
+        loss = needle_causal_lm_loss(
+            outputs.logits, labels, mtp_logits=outputs.mtp_logits if with_mtp else None,
+            mtp_loss_weight=self.mtp_loss_weight, num_items_in_batch=num_items_in_batch,
+        )
+        return (loss, outputs) if return_outputs else loss
+
+
+class NeedleTrainer(NeedleLossMixin, Trainer):
+    """`transformers.Trainer` with the Needle fine-tuning loss (``mtp_loss_weight`` as in `NeedleLossMixin`)."""
