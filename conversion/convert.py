@@ -40,6 +40,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
+import math
 import os
 import shutil
 import time
@@ -415,7 +416,7 @@ def convert(
             "tokenizer": tokenizer_facts,
             "verification": checks,
         }
-        (staging / REPORT_NAME).write_text(json.dumps(report, indent=2, default=_jsonable) + "\n", encoding="utf-8")
+        (staging / REPORT_NAME).write_text(json.dumps(_jsonable(report), indent=2, allow_nan=False) + "\n", encoding="utf-8")
         publish_folder(staging, out_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -430,11 +431,19 @@ def _generation_config():
 
 
 def _jsonable(value):
-    """JSON fallback for run metadata: numpy scalars and arrays as Python values, anything else as text."""
+    """The report as JSON can hold it (run metadata may hold anything a pickle can): numpy values as
+    Python values, non-finite floats and other objects as text. The checkpoint reader bounds the
+    metadata's depth and size, shared values included."""
     if isinstance(value, np.generic):
-        return value.item()
+        value = value.item()
     if isinstance(value, np.ndarray):
-        return value.tolist()
-    if isinstance(value, (set, frozenset, tuple)):
-        return list(value)
+        value = value.tolist()
+    if isinstance(value, float) and not math.isfinite(value):
+        return repr(value)
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    if isinstance(value, dict):
+        return {str(key): _jsonable(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [_jsonable(item) for item in value]
     return str(value)

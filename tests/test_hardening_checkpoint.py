@@ -203,3 +203,17 @@ def test_old_protocol_pickles_convert_without_a_pkl_name(params, protocol, tmp_p
     out = tmp_path / "out"
     assert main(["convert", str(path), str(out)]) == 0, capsys.readouterr().err
     assert (out / "model.safetensors").is_file()
+
+
+def test_run_metadata_of_any_kind_gives_a_valid_report(params, tmp_path, capsys):
+    import json
+
+    run = {"loss": float("nan"), "best": float("inf"), "steps": np.int64(3), "lr": np.float32(0.5),
+           "shape": (1, 2), "tags": {"a"}, "shared": [[1]] * 3}
+    path = _write(tmp_path / "model.pkl", _checkpoint(params=params, config=CONFIG, run=run))
+    out = tmp_path / "out"
+    assert main(["convert", str(path), str(out)]) == 0, capsys.readouterr().err
+    report = json.loads((out / "conversion_report.json").read_text(),
+                        parse_constant=lambda name: pytest.fail(f"report holds {name}"))
+    assert report["source"]["run"] == {"loss": "nan", "best": "inf", "steps": 3, "lr": 0.5, "shape": [1, 2],
+                                       "tags": ["a"], "shared": [[1], [1], [1]]}
