@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import safetensors.numpy
 import torch
+from transformers.modeling_outputs import CausalLMOutputWithPast
 from needle_reference import (
     BASE_NATIVE_CONFIG,
     TINY_NATIVE_CONFIG,
@@ -286,18 +287,21 @@ def test_sdpa_and_eager_attention_agree(tiny_params, tiny_model):
 # KV cache
 
 
-def cached_decode(model, ids: torch.Tensor, mask: torch.Tensor, chunks: list[int]) -> torch.Tensor:
-    """Logits of ``ids`` fed in chunks through one DynamicCache, engram context passed by hand."""
-    cache, pieces, start = None, [], 0
+CACHE_ARGUMENT = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
+def cached_decode(model, ids: torch.Tensor, mask: torch.Tensor, chunks: list[int], cache=None) -> torch.Tensor:
+    """Logits of ``ids`` fed in chunks through one cache (a DynamicCache unless given): the cache
+    carries the engram state, nothing else is passed between steps."""
+    pieces, start = [], 0
     for size in chunks:
         out = model(
             ids[:, start : start + size],
             attention_mask=mask[:, : start + size],
-            past_key_values=cache,
-            engram_context_ids=ids[:, :start] if start else None,
             use_cache=True,
+            **{CACHE_ARGUMENT: cache},
         )
-        cache = out.cache if "cache" in out else out.past_key_values
+        cache = getattr(out, CACHE_ARGUMENT)
         pieces.append(out.logits)
         start += size
     return torch.cat(pieces, dim=1)
@@ -318,15 +322,6 @@ def test_cached_decoding_matches_the_full_forward(tiny_params, attn_implementati
     real = mask.bool()
     assert max_difference(stepwise[real], full[real]) <= PARITY_TOLERANCE
     assert max_difference(stepwise[:, 12:][real[:, 12:]], full[:, 12:][real[:, 12:]]) <= PARITY_TOLERANCE
-
-
-def test_cached_step_without_engram_context_is_refused(tiny_model):
-    ids = torch.from_numpy(random_tokens(1, 8, seed=6))
-    with torch.no_grad():
-        out = tiny_model(ids[:, :6], use_cache=True)
-        cache = out.cache if "cache" in out else out.past_key_values
-        with pytest.raises(ValueError, match="engram_context_ids"):
-            tiny_model(ids[:, 6:], past_key_values=cache)
 
 
 # --------------------------------------------------------------------------------------------------
