@@ -155,3 +155,89 @@ def test_every_attention_module_knows_its_cache_layer(model):
     indices = [layer.self_attn.layer_idx for layer in model.model.layers]
     assert indices == list(range(model.config.num_hidden_layers))
     assert model._supports_attention_backend and model._supports_sdpa and model._supports_flex_attn
+
+
+# --------------------------------------------------------------------------------------------------
+# Compilation and export
+
+
+def test_sinkhorn_has_no_data_dependent_branch_and_matches_the_reference():
+    """Matrices spread too far for linear space (200 nats) beside ordinary ones (8): one traced graph
+    gives the reference's log-space rounds for both, as the eager function does."""
+    import jax.numpy as jnp
+    from needle.model.architecture import _sinkhorn
+
+    from needle_hf.modeling_needle import sinkhorn
+
+    rng = np.random.default_rng(3)
+    logits = np.concatenate([rng.uniform(0, 8, (3, 4, 4)), rng.uniform(0, 200, (3, 4, 4))]).astype(np.float32)
+    expected = np.asarray(_sinkhorn(jnp.asarray(logits)))
+    traced = torch.compile(sinkhorn, fullgraph=True, backend="aot_eager")(torch.from_numpy(logits))
+    assert np.abs(traced.numpy() - expected).max() <= 1e-6
+    assert np.abs(sinkhorn(torch.from_numpy(logits)).numpy() - expected).max() <= 1e-6
+
+
+class StaticDecodeStep(torch.nn.Module):
+    """One decoding step over a filled `StaticCache`, its tensors registered as buffers (what
+    `torch.export` needs to see their in-place updates as buffer mutations)."""
+
+    def __init__(self, model, cache):
+        super().__init__()
+        self.model, self.cache = model, cache
+        for index, layer in enumerate(cache.layers):
+            for name in ("keys", "values", "engram_ids", "cumulative_length"):
+                value = getattr(layer, name, None)
+                if isinstance(value, torch.Tensor):
+                    self.register_buffer(f"layer{index}_{name}", value, persistent=False)
+
+    def forward(self, input_ids, attention_mask, cache_position):
+        for name, value in self.named_buffers():
+            index, attribute = name[len("layer") :].split("_", 1)
+            setattr(self.cache.layers[int(index)], attribute, value)
+        out = self.model(input_ids, attention_mask=attention_mask, cache_position=cache_position, **{CACHE_ARGUMENT: self.cache})
+        return out.logits
+
+
+def filled_static_cache(model, ids, mask, prompt_length: int, max_cache_len: int):
+    cache = StaticCache(config=model.config, max_cache_len=max_cache_len)
+    model(ids[:, :prompt_length], attention_mask=mask[:, :prompt_length], cache_position=torch.arange(prompt_length), **{CACHE_ARGUMENT: cache})
+    return cache
+
+
+def test_static_decode_step_compiles_as_one_graph(model):
+    ids, mask = left_padded(2, 16, seed=9)
+    static_mask = torch.nn.functional.pad(mask, (0, 8))
+    with torch.no_grad():
+        full = model(ids, attention_mask=mask, use_cache=False).logits
+        cache = filled_static_cache(model, ids, mask, 10, 24)
+        step = torch.compile(model, fullgraph=True, backend="aot_eager")
+        for position in range(10, 16):
+            visible = static_mask.clone()
+            visible[:, position + 1 :] = 0
+            out = step(ids[:, position : position + 1], attention_mask=visible, cache_position=torch.tensor([position]), **{CACHE_ARGUMENT: cache})
+            assert (out.logits[:, 0] - full[:, position]).abs().max().item() <= TOLERANCE
+    assert model._can_compile_fullgraph
+
+
+def test_exported_prefill_and_decode_step_give_the_eager_logits(model):
+    ids, mask = left_padded(2, 12, seed=10)
+
+    class Prefill(torch.nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def forward(self, input_ids, attention_mask):
+            return self.model(input_ids, attention_mask=attention_mask, use_cache=False).logits
+
+    with torch.no_grad():
+        full = model(ids, attention_mask=mask, use_cache=False).logits
+        exported = torch.export.export(Prefill(model), (ids, mask))
+        assert (exported.module()(ids, mask) - full).abs().max().item() <= TOLERANCE
+
+        cache = filled_static_cache(model, ids, mask, 11, 16)
+        step_mask = torch.nn.functional.pad(mask, (0, 4))
+        step_inputs = (ids[:, 11:12], step_mask, torch.tensor([11]))
+        exported_step = torch.export.export(StaticDecodeStep(model, cache), step_inputs)
+        logits = exported_step.module()(*step_inputs)
+    assert (logits[:, 0] - full[:, 11]).abs().max().item() <= TOLERANCE
