@@ -105,6 +105,8 @@ class NeedleConfig(PretrainedConfig):
         pad_token_id / bos_token_id / eos_token_id (`int`, *optional*, defaults to 0 / 2 / 1).
         tie_word_embeddings (`bool`, *optional*, defaults to `True`): Needle always ties the output head
             to the token embedding.
+        use_cache (`bool`, *optional*, defaults to `True`): Whether the forward returns (and `generate`
+            decodes with) a KV cache when the call does not say.
     """
 
     model_type = "needle2"
@@ -139,6 +141,7 @@ class NeedleConfig(PretrainedConfig):
         bos_token_id=2,
         eos_token_id=1,
         tie_word_embeddings=True,
+        use_cache=True,
         **kwargs,
     ):
         self.vocab_size = int(vocab_size)
@@ -164,6 +167,7 @@ class NeedleConfig(PretrainedConfig):
         self.act_bits = int(act_bits)
         self.weight_bits = str(weight_bits or "")
         self.initializer_range = float(initializer_range)
+        self.use_cache = bool(use_cache)
         if not tie_word_embeddings:
             raise ValueError("Needle ties its output head to the token embedding: tie_word_embeddings must be True")
         super().__init__(
