@@ -789,6 +789,14 @@ def _flex_block_mask(allowed: torch.Tensor):
     return create_block_mask(visible, batch, None, length, keys, device=allowed.device)
 
 
+# torch's intra-op thread count when this module was imported: a different count later was chosen.
+_THREADS_AT_IMPORT = torch.get_num_threads()
+
+
+def _threads_chosen_by_user() -> bool:
+    return bool(os.environ.get("OMP_NUM_THREADS")) or torch.get_num_threads() != _THREADS_AT_IMPORT
+
+
 def _is_static(cache: Cache) -> bool:
     """Whether ``cache`` preallocates its keys (`StaticCache`): masks then span its whole length."""
     return bool(cache.layers) and isinstance(cache.layers[0], StaticLayer)
@@ -1317,6 +1325,24 @@ class NeedleForCausalLM(NeedlePreTrainedModel, GenerationMixin):
             **{CACHE_OUTPUT_FIELD: getattr(outputs, _BASE_CACHE_OUTPUT_FIELD)},
         )
         return output if return_dict else output.to_tuple()
+
+    def generate(self, *args, **kwargs):
+        """`GenerationMixin.generate`, on one intra-op thread on the CPU unless the user chose a count.
+
+        A decoding step is thousands of small ops; with several OpenMP threads each op that opens a
+        parallel region waits for every thread to be scheduled, which on a loaded machine made
+        decoding up to 10x slower than one thread (whose speed does not depend on the load). A
+        thread count set with ``torch.set_num_threads`` (after importing this module) or
+        ``OMP_NUM_THREADS`` is left alone; the previous count is restored afterwards either way.
+        """
+        if self.device.type != "cpu" or _threads_chosen_by_user():
+            return super().generate(*args, **kwargs)
+        previous = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return super().generate(*args, **kwargs)
+        finally:
+            torch.set_num_threads(previous)
 
     def prepare_inputs_for_generation(self, input_ids: torch.LongTensor, *args, **kwargs) -> dict:
         """`GenerationMixin`'s preparation, after checking that the text fits the model's positions."""

@@ -110,3 +110,25 @@ def test_use_cache_is_a_config_field(state):
     with torch.no_grad():
         out = model(ids)
     assert (out.cache if "cache" in out else out.past_key_values) is None
+
+
+
+def test_generate_runs_on_one_cpu_thread_unless_the_user_chose_threads(state, monkeypatch):
+    from transformers import GenerationMixin
+
+    from needle_hf import modeling_needle
+
+    seen = []
+    monkeypatch.setattr(GenerationMixin, "generate", lambda self, *args, **kwargs: seen.append(torch.get_num_threads()))
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    model = fresh_model(state).eval()
+    torch.set_num_threads(2)
+    try:
+        monkeypatch.setattr(modeling_needle, "_THREADS_AT_IMPORT", 2)  # two threads is torch's default here
+        model.generate(torch.ones(1, 3, dtype=torch.long))
+        assert torch.get_num_threads() == 2  # restored
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")  # the user's choice
+        model.generate(torch.ones(1, 3, dtype=torch.long))
+    finally:
+        torch.set_num_threads(1)
+    assert seen == [1, 2]
