@@ -873,14 +873,21 @@ class NeedlePreTrainedModel(PreTrainedModel):
             nn.init.normal_(module.probes, mean=0.0, std=std)
 
     @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, without_heads: bool = False, **kwargs):
         """`PreTrainedModel.from_pretrained`, but strict: every tensor the config implies must be in the
         checkpoint with its exact shape, and no other tensor may be there. Raises `NeedleWeightsError`
         instead of randomly initialising what is missing.
+
+        ``without_heads=True`` builds the model with the optional heads (MTP, contrastive, confidence)
+        switched off in its config and leaves any head tensors of the checkpoint unused: the way to
+        load a backbone checkpoint (a saved `NeedleModel`) into `NeedleForCausalLM`. The backbone
+        itself still loads strictly.
         """
         wants_loading_info = kwargs.pop("output_loading_info", False)
         if kwargs.pop("ignore_mismatched_sizes", False):
             raise ValueError("Needle checkpoints load exactly; `ignore_mismatched_sizes=True` is not supported")
+        if without_heads:
+            kwargs.update(use_mtp_head=False, use_contrastive_head=False, use_confidence_head=False)
         # Let transformers report shape mismatches (instead of raising its own, version-specific error),
         # then refuse them below together with missing and unexpected tensors.
         model, loading_info = super().from_pretrained(
@@ -890,7 +897,8 @@ class NeedlePreTrainedModel(PreTrainedModel):
             ignore_mismatched_sizes=True,
             **kwargs,
         )
-        _raise_unless_exact(model, loading_info, pretrained_model_name_or_path)
+        unused = NeedleModel._unused_checkpoint_prefixes if without_heads else ()
+        _raise_unless_exact(model, loading_info, pretrained_model_name_or_path, unused_prefixes=unused)
         return (model, loading_info) if wants_loading_info else model
 
 
@@ -906,9 +914,9 @@ def _local_checkpoint_shape(source, name: str) -> Optional[tuple]:
     return None
 
 
-def _raise_unless_exact(model: PreTrainedModel, loading_info: dict, source) -> None:
+def _raise_unless_exact(model: PreTrainedModel, loading_info: dict, source, unused_prefixes: tuple = ()) -> None:
     missing = sorted(loading_info.get("missing_keys") or [])
-    unused_prefixes = getattr(model, "_unused_checkpoint_prefixes", ())
+    unused_prefixes = tuple(getattr(model, "_unused_checkpoint_prefixes", ())) + tuple(unused_prefixes)
     unexpected = sorted(
         name for name in loading_info.get("unexpected_keys") or [] if not name.startswith(unused_prefixes)
     )
@@ -939,7 +947,7 @@ def _raise_unless_exact(model: PreTrainedModel, loading_info: dict, source) -> N
     if any(name.startswith(("mtp.", "contrastive_head.", "confidence_head.")) for name in missing + unexpected):
         hint = (
             " The optional heads present must agree with use_mtp_head / use_contrastive_head /"
-            " use_confidence_head in config.json."
+            " use_confidence_head in config.json (a backbone checkpoint loads with `without_heads=True`)."
         )
     raise NeedleWeightsError(
         f"{type(model).__name__}.from_pretrained({str(source)!r}): the checkpoint does not match the config: "

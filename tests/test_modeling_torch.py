@@ -418,6 +418,20 @@ def test_backbone_loads_from_a_causal_lm_checkpoint(tiny_folder, tiny_model):
     assert torch.equal(alone, inside)
 
 
+def test_backbone_checkpoint_loads_into_the_causal_lm_only_with_heads_off(tiny_folder, tiny_model, tmp_path):
+    NeedleModel.from_pretrained(tiny_folder).save_pretrained(tmp_path)
+    with pytest.raises(NeedleWeightsError, match=r"missing tensor.*confidence_head\..*without_heads=True"):
+        NeedleForCausalLM.from_pretrained(tmp_path)
+    causal_lm = NeedleForCausalLM.from_pretrained(tmp_path, without_heads=True).eval()
+    config = causal_lm.config
+    assert causal_lm.mtp is None and not (config.use_mtp_head or config.use_contrastive_head or config.use_confidence_head)
+    ids = torch.from_numpy(random_tokens(1, 10, seed=18))
+    with torch.no_grad():
+        assert torch.equal(causal_lm(ids, use_cache=False).logits, tiny_model(ids, use_cache=False).logits)
+    # A causal-LM checkpoint with heads loads the same way, its head tensors left unused.
+    assert NeedleForCausalLM.from_pretrained(tiny_folder, without_heads=True).mtp is None
+
+
 @pytest.mark.parametrize(
     ("damage", "message"),
     [
