@@ -7,6 +7,8 @@ the full forward. Every attention implementation gives the same logits.
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -241,3 +243,11 @@ def test_exported_prefill_and_decode_step_give_the_eager_logits(model):
         exported_step = torch.export.export(StaticDecodeStep(model, cache), step_inputs)
         logits = exported_step.module()(*step_inputs)
     assert (logits[:, 0] - full[:, 11]).abs().max().item() <= TOLERANCE
+
+
+def test_the_pre_5_cache_name_warns_only_where_it_is_old(model):
+    with warnings.catch_warnings(record=True) as record, torch.no_grad():
+        warnings.simplefilter("always")
+        model(tokens(1, 6, seed=11), past_key_values=DynamicCache())
+    warned = any(issubclass(w.category, FutureWarning) and "pass it as `cache`" in str(w.message) for w in record)
+    assert warned == (CACHE_ARGUMENT == "cache")
