@@ -14,6 +14,8 @@ command -v "$PYTHON" >/dev/null || PYTHON=python3
 # torch 2.13.0 has a CPU wheel on this machine's disk; any other torch request pulls a multi-GB CUDA build.
 TORCH="torch==2.13.0"
 REFERENCE="cactus-needle[train]==2.0.15"
+# The ONNX export test's exporter and runtime (.venv only).
+ONNX=("onnx==1.23.2" "onnxruntime==1.32.0" "onnxscript==0.7.2")
 
 stamp_of() { cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16; }
 STAMP=$(stamp_of)
@@ -25,7 +27,7 @@ if [ ! -f .venv/.needle-setup-$STAMP ]; then
     [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
     pip_quiet .venv/bin/python -m pip install --upgrade pip
     pip_quiet .venv/bin/python -m pip install "$TORCH" "transformers==4.57.6" "$REFERENCE" \
-        "jax>=0.4.30" "flax>=0.10" "huggingface_hub<1.0" pytest psutil sentencepiece
+        "jax>=0.4.30" "flax>=0.10" "huggingface_hub<1.0" pytest psutil sentencepiece "${ONNX[@]}"
     pip_quiet .venv/bin/python -m pip install -e ".[flax,torch,test]" "$TORCH" "transformers==4.57.6"
     rm -f .venv/.needle-setup-*
     touch .venv/.needle-setup-$STAMP

@@ -13,6 +13,7 @@ import pytest
 import safetensors.numpy
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
+from torch_support import one_cpu_thread  # noqa: F401 (module-wide fixture)
 from needle_reference import (
     BASE_NATIVE_CONFIG,
     TINY_NATIVE_CONFIG,
@@ -51,15 +52,6 @@ ODD_WIDTH_NATIVE_CONFIG = dict(
 )
 SEQUENCE_LENGTH = 24  # > 11 = the engram's reach (n-gram + dilated conv), so every path is exercised
 NO_EOS = dict(eos_token_id=None, pad_token_id=0)  # generate exactly max_new_tokens
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_cpu_thread():
-    """On a small shared CPU, OpenMP's thread wake-ups cost more than these tiny matmuls; one thread is ~100x faster."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 def hf_config(native: dict) -> NeedleConfig:

@@ -12,6 +12,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from torch_support import one_cpu_thread  # noqa: F401 (module-wide fixture)
 from needle_reference import TINY_NATIVE_CONFIG, make_native_params
 from transformers import DynamicCache, StaticCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -23,14 +24,6 @@ from needle_hf.weight_names import native_to_hf
 CACHE_ARGUMENT = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 TOLERANCE = 1e-5  # float32, the same model on two paths
 NO_EOS = dict(eos_token_id=None, pad_token_id=0)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_cpu_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="module")
@@ -251,3 +244,51 @@ def test_the_pre_5_cache_name_warns_only_where_it_is_old(model):
         model(tokens(1, 6, seed=11), past_key_values=DynamicCache())
     warned = any(issubclass(w.category, FutureWarning) and "pass it as `cache`" in str(w.message) for w in record)
     assert warned == (CACHE_ARGUMENT == "cache")
+
+
+def test_onnx_export_runs_in_onnxruntime_with_the_exact_engram_hash():
+    """`torch.onnx.export(dynamo=True)` of the prefill (one layer, to keep the export short) runs in
+    onnxruntime within 1e-4 of eager; the 32-bit n-gram hash, exported alone, gives exactly the
+    numpy statement's rows."""
+    onnxruntime = pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnxscript")
+    from needle_hf.modeling_needle import engram_hash_indices
+    from needle_hf.numerics import engram_indices_numpy
+
+    config = NeedleConfig(
+        vocab_size=8192, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=1,
+        max_position_embeddings=64, engram_layers=(0,), engram_slots=8191, use_mtp_head=False,
+    )
+    torch.manual_seed(0)
+    model = NeedleForCausalLM(config).eval()
+
+    class Prefill(torch.nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def forward(self, input_ids, attention_mask):
+            return self.model(input_ids, attention_mask=attention_mask, use_cache=False).logits
+
+    class Hash(torch.nn.Module):
+        def forward(self, input_ids):
+            return engram_hash_indices(input_ids, config.engram_orders, config.engram_num_heads, config.engram_slots)
+
+    ids = torch.from_numpy(np.random.default_rng(12).integers(1, 8192, (2, 14)))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    with torch.no_grad():
+        eager = model(ids, attention_mask=mask, use_cache=False).logits
+        programs = {
+            "prefill": torch.onnx.export(Prefill(model), (ids, mask), dynamo=True, verbose=False),
+            "hash": torch.onnx.export(Hash(), (ids,), dynamo=True, verbose=False),
+        }
+    results = {}
+    for name, program in programs.items():
+        session = onnxruntime.InferenceSession(program.model_proto.SerializeToString())
+        feeds = [ids.numpy(), mask.numpy()][: len(session.get_inputs())]
+        results[name] = session.run(None, {i.name: x for i, x in zip(session.get_inputs(), feeds)})[0]
+    real = mask.bool().numpy()
+    assert np.abs(results["prefill"] - eager.numpy())[real].max() <= 1e-4
+    expected = engram_indices_numpy(ids.numpy(), config.engram_orders, config.engram_num_heads, config.engram_slots)
+    np.testing.assert_array_equal(results["hash"], expected)

@@ -6,19 +6,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from torch_support import one_cpu_thread  # noqa: F401 (module-wide fixture)
 from needle_reference import TINY_NATIVE_CONFIG, make_native_params
 
 from needle_hf.configuration_needle import NeedleConfig
 from needle_hf.modeling_needle import NeedleForCausalLM
 from needle_hf.weight_names import native_to_hf
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_cpu_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="module")
