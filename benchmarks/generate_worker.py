@@ -49,11 +49,10 @@ def measure_torch(folder, batch, prompt_len, new_tokens):
     from needle_hf.modeling_needle import NeedleForCausalLM
 
     torch.set_grad_enabled(False)
-    # One intra-op thread. A decoding step is thousands of small ops; with two OpenMP threads every
-    # op that opens a parallel region (attention, matmuls) waits for the second thread to be
+    # Default settings: generate() itself decodes on one intra-op thread (see its docstring). With
+    # two OpenMP threads every op that opens a parallel region waits for the second thread to be
     # scheduled, which on this shared 2-core machine made generate() ~9x slower (2.1 vs 18.6 tok/s
-    # at batch 1, 8.5 vs 77 at batch 8). The model itself leaves thread settings to its user.
-    torch.set_num_threads(1)
+    # at batch 1, 8.5 vs 77 at batch 8).
     model = NeedleForCausalLM.from_pretrained(folder).eval()
     ids = torch.as_tensor(prompt_ids(batch, prompt_len), dtype=torch.long)
 
@@ -81,7 +80,7 @@ def measure_torch_static_compiled(folder, batch, prompt_len, new_tokens):
 
     cache_argument = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
     torch.set_grad_enabled(False)
-    torch.set_num_threads(1)  # see measure_torch
+    torch.set_num_threads(1)  # this loop bypasses generate(), which would pick one thread itself
     model = NeedleForCausalLM.from_pretrained(folder).eval()
     ids = torch.as_tensor(prompt_ids(batch, prompt_len), dtype=torch.long)
     total = prompt_len + new_tokens
