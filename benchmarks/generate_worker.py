@@ -1,10 +1,13 @@
 """One measurement for benchmarks/generate.py, in its own process (own compile cache and peak RSS).
 
     python benchmarks/generate_worker.py IMPL BATCH CHECKPOINT_DIR PROMPT_TOKENS NEW_TOKENS
-IMPL: flax (our jit-compiled generate()), torch (our PyTorch generate()), reference (cactus-needle's
-cached decoding, decode.py's forward_cached loop as in its generate_cached). Prints one JSON line.
+IMPL: flax (our jit-compiled generate()), torch (our PyTorch generate(), default settings),
+torch-static-compiled (a StaticCache and a `torch.compile(fullgraph=True)` decoding step),
+reference (cactus-needle's cached decoding, decode.py's forward_cached loop as in its
+generate_cached). Prints one JSON line.
 IMPL prepare (other arguments ignored) writes the `base`-preset checkpoint into CHECKPOINT_DIR, as an
-HF folder and as the reference's native.pkl, and reports this machine's copy bandwidth.
+HF folder and as the reference's native.pkl, and reports this machine's copy bandwidth and its
+all-core read bandwidth.
 """
 
 from __future__ import annotations
@@ -46,11 +49,10 @@ def measure_torch(folder, batch, prompt_len, new_tokens):
     from needle_hf.modeling_needle import NeedleForCausalLM
 
     torch.set_grad_enabled(False)
-    # One intra-op thread. A decoding step is thousands of small ops; with two OpenMP threads every
-    # op that opens a parallel region (attention, matmuls) waits for the second thread to be
+    # Default settings: generate() itself decodes on one intra-op thread (see its docstring). With
+    # two OpenMP threads every op that opens a parallel region waits for the second thread to be
     # scheduled, which on this shared 2-core machine made generate() ~9x slower (2.1 vs 18.6 tok/s
-    # at batch 1, 8.5 vs 77 at batch 8). The model itself leaves thread settings to its user.
-    torch.set_num_threads(1)
+    # at batch 1, 8.5 vs 77 at batch 8).
     model = NeedleForCausalLM.from_pretrained(folder).eval()
     ids = torch.as_tensor(prompt_ids(batch, prompt_len), dtype=torch.long)
 
@@ -65,6 +67,70 @@ def measure_torch(folder, batch, prompt_len, new_tokens):
     compile_s = time.perf_counter() - start
     seconds = median_seconds(run, 3)
     return compile_s, seconds, first[:, prompt_len:].numpy()
+
+
+def measure_torch_static_compiled(folder, batch, prompt_len, new_tokens):
+    """Greedy decoding over a `StaticCache`: an eager prefill, then one compiled step per token (fixed
+    shapes: the mask spans the whole cache, so the step compiles once)."""
+    import torch
+    from transformers import StaticCache
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    from needle_hf.modeling_needle import NeedleForCausalLM
+
+    cache_argument = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+    torch.set_grad_enabled(False)
+    torch.set_num_threads(1)  # this loop bypasses generate(), which would pick one thread itself
+    model = NeedleForCausalLM.from_pretrained(folder).eval()
+    ids = torch.as_tensor(prompt_ids(batch, prompt_len), dtype=torch.long)
+    total = prompt_len + new_tokens
+    step = torch.compile(model, fullgraph=True, dynamic=False)
+
+    def run():
+        cache = StaticCache(config=model.config, max_cache_len=total)
+        mask = torch.zeros(batch, total, dtype=torch.long)
+        mask[:, :prompt_len] = 1
+        logits = model(ids, attention_mask=mask[:, :prompt_len], cache_position=torch.arange(prompt_len),
+                       logits_to_keep=1, **{cache_argument: cache}).logits
+        out = [logits[:, -1].argmax(-1)]
+        for position in range(prompt_len, total - 1):
+            mask[:, position] = 1
+            logits = step(out[-1][:, None], attention_mask=mask, cache_position=torch.tensor([position]),
+                          **{cache_argument: cache}).logits
+            out.append(logits[:, -1].argmax(-1))
+        return torch.stack(out, dim=1)
+
+    start = time.perf_counter()
+    first = run()
+    compile_s = time.perf_counter() - start
+    seconds = median_seconds(run, 3)
+    return compile_s, seconds, first.numpy()
+
+
+def read_bandwidth_bytes_per_second(size_bytes: int = 1600 * 2**20, repeats: int = 5) -> float:
+    """Bytes per second a two-thread float32 matrix-vector product reads from a `size_bytes` matrix:
+    what a decoding step does with its weights, on all (both) cores. The fastest of `repeats` after a
+    warm-up; torch when installed (its threads), else numpy's BLAS."""
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    columns = 4096
+    rows = size_bytes // (4 * columns)
+    if torch is not None:
+        torch.set_num_threads(2)
+        matrix, vector = torch.ones(rows, columns), torch.ones(columns)
+        product = lambda: torch.mv(matrix, vector)  # noqa: E731
+    else:
+        matrix, vector = np.ones((rows, columns), np.float32), np.ones(columns, np.float32)
+        product = lambda: matrix @ vector  # noqa: E731
+    product()
+    fastest = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        product()
+        fastest = min(fastest, time.perf_counter() - start)
+    return rows * columns * 4 / fastest
 
 
 def measure_reference(folder, batch, prompt_len, new_tokens):
@@ -110,14 +176,22 @@ def prepare(folder):
     with open(os.path.join(folder, "native.pkl"), "wb") as f:
         pickle.dump({"format_version": 2, "params": params, "config": native, "step": 0, "run": {}}, f)
     os.sync()  # the checkpoint's writeback would otherwise share the memory bus with the measurement
-    emit({"copy_bandwidth_bytes_per_second": copy_bandwidth_bytes_per_second()})
+    emit({
+        "copy_bandwidth_bytes_per_second": copy_bandwidth_bytes_per_second(),
+        "read_bandwidth_bytes_per_second": read_bandwidth_bytes_per_second(),
+    })
 
 
 def main():
     impl, batch, folder, prompt_len, new_tokens = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
     if impl == "prepare":
         return prepare(folder)
-    measure = {"flax": measure_flax, "torch": measure_torch, "reference": measure_reference}[impl]
+    measure = {
+        "flax": measure_flax,
+        "torch": measure_torch,
+        "torch-static-compiled": measure_torch_static_compiled,
+        "reference": measure_reference,
+    }[impl]
     compile_s, seconds, tokens = measure(folder, batch, prompt_len, new_tokens)
     emit({
         "impl": impl, "batch": batch, "first_call_s": compile_s, "seconds": seconds,

@@ -153,6 +153,8 @@ class NeedleConfig(PretrainedConfig):
         pad_token_id / bos_token_id / eos_token_id (`int`, *optional*, defaults to 0 / 2 / 1).
         tie_word_embeddings (`bool`, *optional*, defaults to `True`): Needle always ties the output head
             to the token embedding.
+        use_cache (`bool`, *optional*, defaults to `True`): Whether the forward returns (and `generate`
+            decodes with) a KV cache when the call does not say.
     """
 
     model_type = "needle2"
@@ -187,6 +189,7 @@ class NeedleConfig(PretrainedConfig):
         bos_token_id=2,
         eos_token_id=1,
         tie_word_embeddings=True,
+        use_cache=True,
         **kwargs,
     ):
         self.vocab_size = _integer("vocab_size", vocab_size, minimum=1)
@@ -217,6 +220,7 @@ class NeedleConfig(PretrainedConfig):
         for name, token in (("pad_token_id", pad_token_id), ("bos_token_id", bos_token_id), ("eos_token_id", eos_token_id)):
             if token is not None:
                 _integer(name, token, minimum=0, maximum=self.vocab_size - 1)
+        self.use_cache = _flag("use_cache", use_cache)
         if not tie_word_embeddings:
             raise ValueError("Needle ties its output head to the token embedding: tie_word_embeddings must be True")
         super().__init__(

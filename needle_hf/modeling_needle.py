@@ -28,12 +28,11 @@ Version notes (transformers 4.57 and 5.x):
 - 5.x renamed the cache argument and output field ``past_key_values`` to ``cache``. The forward
   passes accept both names, and the outputs fill whichever field the installed transformers defines
   (`CACHE_OUTPUT_FIELD`).
-- The engram needs the tokens that precede the new ones, which a KV cache does not hold. Instead of
-  a custom `Cache` subclass (whose reordering hooks differ between versions), `generate()` hands
-  them over: `NeedleForCausalLM.prepare_inputs_for_generation` cuts ``engram_context_ids`` (the last
-  `NeedleModel.engram_context_length` tokens before the new ones) out of the full ``input_ids`` that
-  `GenerationMixin` passes every step. Beam search reorders ``input_ids``, so the context follows
-  the beams without a cache hook. Manual cached loops pass ``engram_context_ids`` themselves.
+- The engram needs the ids of the tokens that precede the new ones, which keys and values do not
+  hold: the cache layer of the first engram layer keeps them (`NeedleEngramCacheLayer`, a
+  `DynamicLayer` / `StaticLayer` subclass swapped in on first use), so `DynamicCache` and
+  `StaticCache` carry the whole decoding state through cropping, beam reordering and compiled steps.
+- Attention runs through transformers' attention-function interface (eager, sdpa, flex_attention).
 - There is no ``lm_head`` module: logits are ``hidden @ embed_tokens.weight.T``, so the state dict
   holds only the weight table of `weight_names.py`; `get_output_embeddings` returns the embedding.
 """
@@ -42,6 +41,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -50,8 +50,11 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 from transformers import DynamicCache, GenerationMixin, PreTrainedModel
-from transformers.cache_utils import Cache
+from transformers.cache_utils import Cache, DynamicLayer, StaticLayer
+from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.utils import is_torchdynamo_compiling
 
 from .configuration_needle import NeedleConfig
 from .numerics import (
@@ -148,18 +151,31 @@ def sinkhorn(logits: torch.Tensor, iterations: int = SINKHORN_ITERATIONS) -> tor
     computation in exact arithmetic. It takes 2 tensor ops per half-round instead of about 9 (a
     logsumexp is max, subtract, exp, sum, log, add, with infinity guards); the routing matrices are
     tiny ([B, S, 4, 4], 20 rounds in each of 27 layers), so op count is all their cost in decoding.
-    (Updating row and column scaling vectors with `bmm` instead is as few ops, but a batched matmul
-    opens an OpenMP parallel region per call, which costs far more than the arithmetic whenever
-    more than one thread is set.)
 
     Linear space could underflow where one matrix's logits spread far (see
-    ``SINKHORN_LINEAR_SPACE_MAX_SPREAD``); wider logits take the log-space path (checking the spread
-    reads one number back to the host).
+    ``SINKHORN_LINEAR_SPACE_MAX_SPREAD``); such matrices take the log-space result. Run eagerly, the
+    spread is read back to the host and log space is computed only when some matrix needs it; in a
+    traced graph (`torch.compile`, `torch.export`) both are computed and `torch.where` picks per
+    matrix, so the graph has no data-dependent branch. Either way each matrix gets the same numbers.
     """
     shifted = logits - logits.amax(dim=(-2, -1), keepdim=True)  # each matrix's largest logit at 0
-    if shifted.numel() and shifted.min().item() < -SINKHORN_LINEAR_SPACE_MAX_SPREAD:
+    spread = -shifted.amin(dim=(-2, -1), keepdim=True)  # [..., 1, 1]
+    traced = is_torchdynamo_compiling() or torch.compiler.is_exporting()
+    if not traced and (not shifted.numel() or spread.max().item() <= SINKHORN_LINEAR_SPACE_MAX_SPREAD):
+        return _linear_space_sinkhorn(shifted, iterations)
+    if not traced and bool((spread > SINKHORN_LINEAR_SPACE_MAX_SPREAD).all()):
         return log_space_sinkhorn(logits, iterations)
+    # Entries that underflow to 0 only occur in matrices that take the log-space result; the floor
+    # keeps their (discarded) linear-space rows free of 0 / 0, so gradients through `where` stay finite.
+    linear = _linear_space_sinkhorn(shifted, iterations, floor=torch.finfo(torch.float32).tiny)
+    return torch.where(spread <= SINKHORN_LINEAR_SPACE_MAX_SPREAD, linear, log_space_sinkhorn(logits, iterations))
+
+
+def _linear_space_sinkhorn(shifted: torch.Tensor, iterations: int, floor: float = 0.0) -> torch.Tensor:
+    """Row then column normalisation of ``exp(shifted)`` (entries floored at ``floor``), ``iterations`` rounds."""
     k = torch.exp(shifted)
+    if floor:
+        k = k.clamp_min(floor)
     for _ in range(iterations):
         k = k / k.sum(dim=-1, keepdim=True)
         k = k / k.sum(dim=-2, keepdim=True)
@@ -191,12 +207,12 @@ def engram_hash_indices(tokens: torch.Tensor, orders, num_heads: int, slots: int
 
 
 def attention_allowed(key_visible: torch.Tensor, past_length: int, query_length: int, group: int) -> torch.Tensor:
-    """Boolean attention mask [B, 1, group * S, past + S]: causal, restricted to visible keys.
+    """Boolean attention mask [B, 1, group * S, K]: causal, restricted to visible keys, and always the query itself.
 
-    A query may always attend to itself, so that the rows of padding positions (which see no visible
-    key) stay finite; real positions are unaffected because they see themselves anyway.
-    The [S, past + S] rows repeat ``group`` times: one copy per query head that shares a key/value
-    head (`NeedleAttention` stacks those heads' queries, rows ordered (head in group, position)).
+    key_visible: [B, K] (K = past + S, or the length of a static cache); past_length may be a 0-d tensor.
+    A query attending to itself keeps padding rows (which see no visible key) finite and independent
+    of other positions, as in the Flax model. The [S, K] rows repeat ``group`` times (group = 1 gives
+    the [B, 1, S, K] mask of the attention functions).
     """
     device = key_visible.device
     query_positions = torch.arange(query_length, device=device) + past_length  # [S]
@@ -204,39 +220,76 @@ def attention_allowed(key_visible: torch.Tensor, past_length: int, query_length:
     causal = key_positions[None, :] <= query_positions[:, None]  # [S, K]
     itself = key_positions[None, :] == query_positions[:, None]  # [S, K]
     allowed = (causal[None] & key_visible[:, None, :]) | itself[None]  # [B, S, K]
-    return allowed.repeat(1, group, 1)[:, None]  # [B, 1, group * S, K]
+    return (allowed.repeat(1, group, 1) if group > 1 else allowed)[:, None]  # [B, 1, group * S, K]
 
 
 def default_position_ids(
     attention_mask: Optional[torch.Tensor], past_length: int, length: int, batch: int, device
 ) -> torch.Tensor:
     """Positions [B, S] of the new tokens: ``cumsum(mask) - 1`` over the whole mask (padding does not
-    advance the position), or ``past_length + arange(S)`` without a mask."""
+    advance the position), or ``past_length + arange(S)`` without a mask. The mask may run past the new
+    tokens (a static cache's full length); past_length may be a 0-d tensor."""
+    new_positions = torch.arange(length, device=device) + past_length  # [S]
     if attention_mask is None:
-        return (torch.arange(length, device=device) + past_length)[None].expand(batch, -1)
-    positions = attention_mask.long().cumsum(-1) - 1
-    return positions.clamp(min=0)[:, -length:]
+        return new_positions[None].expand(batch, -1)
+    positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    return positions.gather(1, new_positions[None].expand(batch, -1).to(positions.device))
+
+
+def repeat_kv(hidden: torch.Tensor, repeats: int) -> torch.Tensor:
+    """[B, KV, K, hd] -> [B, KV * repeats, K, hd]: query head h reads key/value head h // repeats."""
+    if repeats == 1:
+        return hidden
+    batch, heads, length, width = hidden.shape
+    return hidden[:, :, None].expand(batch, heads, repeats, length, width).reshape(batch, heads * repeats, length, width)
+
+
+def eager_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Optional[torch.Tensor],
+    scaling: float,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference's attention: float32 scores and softmax, probabilities cast to the value dtype.
+
+    query: [B, H, S, hd]; key, value: [B, KV, K, hd]; attention_mask: additive [B, 1, S, K].
+    Returns (output [B, S, H, hd], probabilities [B, H, S, K] float32, on the autograd path).
+    Other keyword arguments of the attention-function interface are not used by this kernel.
+    """
+    key = repeat_kv(key, module.num_key_value_groups)
+    value = repeat_kv(value, module.num_key_value_groups)
+    scores = torch.matmul(query.float(), key.float().transpose(-1, -2)) * scaling
+    if attention_mask is not None:
+        scores = scores + attention_mask[..., : key.shape[-2]].float()
+    probs = scores.softmax(dim=-1)
+    weights = F.dropout(probs, p=dropout, training=module.training)
+    out = torch.matmul(weights.to(value.dtype), value).transpose(1, 2).contiguous()
+    return out, probs
 
 
 @dataclass
 class NeedleStepInputs:
     """Tensors derived once per forward call and shared by every layer (and the MTP block).
 
-    key_visible: [B, past + S] bool, which positions are real (not padding).
-    allowed: [B, 1, group * S, past + S] bool attention mask (see `attention_allowed`).
-    attention_bias: the same mask as an additive bias in the compute dtype (0 allowed, -inf not),
-        built once here instead of by `scaled_dot_product_attention` in every layer.
+    key_visible: [B, K] bool, which key positions are real text (K = past + S, or a static cache's length).
+    attention_mask: [B, 1, S, K] additive mask in the compute dtype (0 allowed, the dtype's minimum not);
+        for flex attention the same mask as a `BlockMask`.
     cos, sin: [B, 1, S, head_dim] float32 RoPE tables of the new positions (both halves the same).
+    cache_position: [S] positions of the new tokens in the cache (where their keys are written).
     walsh: [n, n] Walsh-Hadamard matrix (compute dtype).
     pre_offsets, post_offsets: [layers, L] float32 lane-ownership offsets of the hyper-connection
         logits (`numerics.hyper_connection_offsets`).
     """
 
     key_visible: torch.Tensor
-    allowed: torch.Tensor
-    attention_bias: torch.Tensor
+    attention_mask: torch.Tensor
     cos: torch.Tensor
     sin: torch.Tensor
+    cache_position: torch.Tensor
     walsh: torch.Tensor
     pre_offsets: torch.Tensor
     post_offsets: torch.Tensor
@@ -269,7 +322,14 @@ class NeedleResidualLinear(nn.Linear):
 
 
 class NeedleAttention(nn.Module):
-    """Grouped-query self-attention with q/k norms, half-split RoPE and a sigmoid output gate."""
+    """Grouped-query self-attention with q/k norms, half-split RoPE and a sigmoid output gate.
+
+    The attention product itself runs through transformers' attention-function interface:
+    `eager_attention_forward` for ``"eager"``, ``ALL_ATTENTION_FUNCTIONS[config._attn_implementation]``
+    otherwise (sdpa, flex_attention, paged backends).
+    """
+
+    is_causal = True
 
     def __init__(self, config: NeedleConfig, layer_idx: Optional[int]):
         super().__init__()
@@ -277,7 +337,10 @@ class NeedleAttention(nn.Module):
         self.layer_idx = layer_idx  # index into the KV cache; None for the (uncached) MTP block
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
+        self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
         self.head_dim = config.head_dim
+        self.scaling = config.head_dim**-0.5
+        self.attention_dropout = 0.0
         d, a, kv = config.hidden_size, config.attention_dim, config.kv_dim
         self.q_proj = nn.Linear(d, a, bias=False)
         self.k_proj = nn.Linear(d, kv, bias=False)
@@ -292,9 +355,13 @@ class NeedleAttention(nn.Module):
         x: torch.Tensor,
         step: NeedleStepInputs,
         cache: Optional[Cache] = None,
-        need_weights: bool = False,
+        **attention_kwargs,
     ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """x: [B, S, d] (normed) -> ([B, S, d], attention probabilities [B, H, S, past + S] or None)."""
+        """x: [B, S, d] (normed) -> ([B, S, d], attention probabilities [B, H, S, K] or None).
+
+        ``attention_kwargs`` go to the attention function unchanged (e.g. ``output_attentions``, the
+        varlen arguments of flash/paged kernels); `NeedleModel.forward` names the ones it passes.
+        """
         batch, length, _ = x.shape
         q = self.q_proj(x).view(batch, length, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H, S, hd]
         k = self.k_proj(x).view(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, KV, S, hd]
@@ -302,27 +369,23 @@ class NeedleAttention(nn.Module):
         q = apply_rotary(self.q_norm(q), step.cos, step.sin)
         k = apply_rotary(self.k_norm(k), step.cos, step.sin)
         if cache is not None and self.layer_idx is not None:
-            k, v = cache.update(k, v, self.layer_idx)  # [B, KV, past + S, hd]
+            # `cache_position` places the keys in a static cache on 4.57 (5.x layers count themselves).
+            k, v = cache.update(k, v, self.layer_idx, {"cache_position": step.cache_position})  # [B, KV, K, hd]
 
-        # Query head h reads key/value head h // group. Stacking each group's queries as rows,
-        # [B, KV, group * S, hd], lets every key/value head serve its group where it lies, instead of
-        # copying the whole cache `group` times per layer and step (`step.allowed` repeats to match).
-        group = self.num_heads // self.num_kv_heads
-        q = q.reshape(batch, self.num_kv_heads, group * length, self.head_dim)
-
-        probs = None
-        if self.config._attn_implementation == "sdpa" and not need_weights:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=step.attention_bias)
-        else:
-            # Eager: float32 scores and softmax, probabilities cast to the value dtype (as the reference).
-            scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * self.head_dim**-0.5
-            scores = scores.masked_fill(~step.allowed, torch.finfo(torch.float32).min)
-            probs = scores.softmax(dim=-1)  # [B, KV, group * S, past + S]
-            out = torch.matmul(probs.to(v.dtype), v)
-            probs = probs.view(batch, self.num_heads, length, -1)  # [B, H, S, past + S]
-        out = out.view(batch, self.num_heads, length, self.head_dim).transpose(1, 2).reshape(batch, length, -1)
-        out = out * torch.sigmoid(self.gate_proj(x))  # [B, S, attention_dim]
-        return self.o_proj(out), (probs if need_weights else None)
+        implementation = self.config._attn_implementation
+        attention = eager_attention_forward if implementation == "eager" else ALL_ATTENTION_FUNCTIONS[implementation]
+        out, probs = attention(
+            self,
+            q,
+            k,
+            v,
+            step.attention_mask,
+            dropout=self.attention_dropout if self.training else 0.0,
+            scaling=self.scaling,
+            **attention_kwargs,
+        )
+        out = out.reshape(batch, length, -1) * torch.sigmoid(self.gate_proj(x))  # [B, S, attention_dim]
+        return self.o_proj(out), probs
 
 
 class NeedleHadamardMLP(nn.Module):
@@ -362,14 +425,10 @@ class NeedleBlock(nn.Module):
         self.mlp = NeedleHadamardMLP(config)
 
     def block(
-        self,
-        x: torch.Tensor,
-        step: NeedleStepInputs,
-        cache: Optional[Cache] = None,
-        need_weights: bool = False,
+        self, x: torch.Tensor, step: NeedleStepInputs, cache: Optional[Cache] = None, **attention_kwargs
     ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """x: [B, S, d] -> ([B, S, d], attention probabilities or None)."""
-        attended, probs = self.self_attn(self.input_layernorm(x), step, cache=cache, need_weights=need_weights)
+        attended, probs = self.self_attn(self.input_layernorm(x), step, cache=cache, **attention_kwargs)
         # sigmoid in the parameter dtype, then cast (the reference's `_gate`).
         gate = torch.sigmoid(self.attention_gate).to(x.dtype)
         x = x + gate * self.post_attention_layernorm(attended)
@@ -428,8 +487,12 @@ class NeedleHyperConnection(nn.Module):
         return read, write, mixing
 
 
-class NeedleDecoderLayer(NeedleBlock):
-    """A block wrapped in hyper-connections; maps lanes [B, S, L, d] to lanes."""
+class NeedleDecoderLayer(NeedleBlock, GradientCheckpointingLayer):
+    """A block wrapped in hyper-connections; maps lanes [B, S, L, d] to lanes.
+
+    Tensors that need gradients are positional, so that activation checkpointing
+    (`GradientCheckpointingLayer`) recomputes the layer from them.
+    """
 
     def __init__(self, config: NeedleConfig, layer_idx: int):
         super().__init__(config, layer_idx)
@@ -439,23 +502,23 @@ class NeedleDecoderLayer(NeedleBlock):
     def forward(
         self,
         lanes: torch.Tensor,
+        engram_key: Optional[torch.Tensor],
+        engram_value: Optional[torch.Tensor],
         step: NeedleStepInputs,
         cache: Optional[Cache] = None,
-        engram: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-        need_weights: bool = False,
+        **attention_kwargs,
     ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """lanes: [B, S, L, d]; engram: (key, value) [B, S, d] of this layer's engram site, if any."""
+        """lanes: [B, S, L, d]; engram_key, engram_value: [B, S, d] of this layer's engram site (or None)."""
         read, write, mixing = self.hyper_connection.route(lanes, step)
         lanes_f32 = lanes.float()
         # Batched matrix products over (b, s) (what einsum would run, without its per-call planning).
         u = torch.matmul(read[:, :, None, :], lanes_f32)[:, :, 0].to(lanes.dtype)  # [B, S, d]
         x = u
-        if engram is not None:
-            key, value = engram
+        if engram_key is not None:
             eps = self.hyper_connection.eps
-            relevance = (rms_unit(u, eps) * rms_unit(key, eps)).sum(-1) / math.sqrt(self.hidden_size)  # [B, S]
-            x = u + (torch.sigmoid(relevance)[..., None] * value.float()).to(u.dtype)
-        y, probs = self.block(x, step, cache=cache, need_weights=need_weights)
+            relevance = (rms_unit(u, eps) * rms_unit(engram_key, eps)).sum(-1) / math.sqrt(self.hidden_size)  # [B, S]
+            x = u + (torch.sigmoid(relevance)[..., None] * engram_value.float()).to(u.dtype)
+        y, probs = self.block(x, step, cache=cache, **attention_kwargs)
         y = y - u
         mixed = torch.matmul(mixing, lanes_f32) + write[..., None] * y.float()[:, :, None, :]  # [B, S, L, d]
         return mixed.to(lanes.dtype), probs
@@ -586,9 +649,16 @@ def _config_default(value, config, name: str, default):
 
 
 def _merge_cache_arguments(past_key_values, cache) -> Optional[Cache]:
-    """Accept the cache under its 4.x name (`past_key_values`) or its 5.x name (`cache`)."""
+    """Accept the cache under its 4.x name (`past_key_values`) or its 5.x name (`cache`); on 5.x the old
+    name warns."""
     if past_key_values is not None and cache is not None and past_key_values is not cache:
         raise ValueError("pass the KV cache once, as `past_key_values` or as `cache`, not both")
+    if past_key_values is not None and CACHE_OUTPUT_FIELD == "cache":
+        warnings.warn(
+            "`past_key_values` is the name of the KV cache before transformers 5; pass it as `cache`",
+            FutureWarning,
+            stacklevel=3,
+        )
     found = cache if cache is not None else past_key_values
     if found is not None and not isinstance(found, Cache):
         raise TypeError(
@@ -599,7 +669,142 @@ def _merge_cache_arguments(past_key_values, cache) -> Optional[Cache]:
 
 
 # --------------------------------------------------------------------------------------------------
+# Engram state in the KV cache
+
+
+class NeedleEngramCacheLayer:
+    """What the engram memory keeps in the KV cache: the token id of every cached position.
+
+    An engram output depends on the `NeedleConfig.engram_history` tokens before it (n-grams and the
+    dilated convolution reach across the boundary of a decoding step), so a cached forward re-reads
+    the ids of the positions just before the new ones. They live beside the keys and values of one
+    cache layer (the one of the first engram layer) and follow them through `crop`, beam-search
+    `reorder_cache`, batch selection and `reset`, the way conv states sit in the cache layers of
+    recurrent hybrids. Mixed into transformers' `DynamicLayer` and `StaticLayer`; `NeedleModel`
+    swaps a plain layer of a fresh `DynamicCache` / `StaticCache` for the matching one.
+    """
+
+    engram_ids: Optional[torch.Tensor] = None
+
+    def update_engram_ids(self, input_ids: torch.Tensor, cache_position: torch.Tensor, history: int) -> torch.Tensor:
+        """Store the new ids [B, S] at ``cache_position`` [S]; return the ``history`` ids before them
+        [B, history] (0 before the text)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def adopt(layer):
+        """The Needle layer holding ``layer``'s state (``layer`` itself when it already is one)."""
+        if isinstance(layer, NeedleEngramCacheLayer):
+            return layer
+        kind = {DynamicLayer: NeedleDynamicLayer, StaticLayer: NeedleStaticLayer}.get(type(layer))
+        if kind is None:
+            raise TypeError(
+                f"Needle keeps its engram state in DynamicCache or StaticCache layers; this cache has a "
+                f"{type(layer).__name__} layer"
+            )
+        if layer.is_initialized and layer.get_seq_length() > 0:
+            raise ValueError(
+                "this cache already holds tokens but not their ids, which the engram memory needs: "
+                "fill a cache only through the Needle model"
+            )
+        adopted = kind.__new__(kind)
+        adopted.__dict__.update(layer.__dict__)
+        return adopted
+
+
+class NeedleDynamicLayer(NeedleEngramCacheLayer, DynamicLayer):
+    """A `DynamicLayer` that also keeps the ids of its positions ([B, past])."""
+
+    def update_engram_ids(self, input_ids: torch.Tensor, cache_position: torch.Tensor, history: int) -> torch.Tensor:
+        past = self.engram_ids if self.engram_ids is not None else input_ids[:, :0]
+        tail = past[:, max(past.shape[1] - history, 0) :]
+        self.engram_ids = torch.cat([past, input_ids], dim=1)
+        return F.pad(tail, (history - tail.shape[1], 0))
+
+    def reset(self) -> None:
+        super().reset()
+        self.engram_ids = None
+
+    def crop(self, *args) -> None:
+        super().crop(*args)  # the argument's meaning differs between 4.57 and 5.x; follow the keys
+        if self.engram_ids is not None:
+            self.engram_ids = self.engram_ids[:, : self.get_seq_length()]
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        if self.engram_ids is not None:
+            self.engram_ids = self.engram_ids.index_select(0, beam_idx.to(self.engram_ids.device))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        if self.engram_ids is not None:
+            self.engram_ids = self.engram_ids.repeat_interleave(repeats, dim=0)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        if self.engram_ids is not None:
+            self.engram_ids = self.engram_ids[indices]
+
+
+class NeedleStaticLayer(NeedleEngramCacheLayer, StaticLayer):
+    """A `StaticLayer` that also keeps the ids of its positions ([B, max_cache_len], written in place,
+    so a compiled decoding step keeps static addresses; cropping only moves the write position)."""
+
+    def update_engram_ids(self, input_ids: torch.Tensor, cache_position: torch.Tensor, history: int) -> torch.Tensor:
+        if self.engram_ids is None:
+            self.engram_ids = torch.zeros(
+                input_ids.shape[0], self.max_cache_len, dtype=torch.long, device=input_ids.device
+            )
+            if not is_torchdynamo_compiling():
+                torch._dynamo.mark_static_address(self.engram_ids)
+        positions = cache_position[0] - history + torch.arange(history, device=input_ids.device)  # [history]
+        before = self.engram_ids.index_select(1, positions.clamp(min=0)).masked_fill(positions < 0, 0)
+        self.engram_ids.index_copy_(1, cache_position, input_ids.long())
+        return before
+
+    def reset(self) -> None:
+        super().reset()
+        if self.engram_ids is not None:
+            self.engram_ids.zero_()
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        if self.engram_ids is not None:
+            self.engram_ids.copy_(self.engram_ids.index_select(0, beam_idx.to(self.engram_ids.device)))
+
+
+# --------------------------------------------------------------------------------------------------
 # Pretrained-model plumbing
+
+
+def _flex_block_mask(allowed: torch.Tensor):
+    """The [B, 1, S, K] boolean mask as flex attention's `BlockMask` (a mask read inside a score
+    modification is what the CPU kernels of torch 2.13 mishandle; a block mask they run)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    batch, _, length, keys = allowed.shape
+
+    def visible(b, h, q, k):
+        return allowed[b, 0, q, k]
+
+    return create_block_mask(visible, batch, None, length, keys, device=allowed.device)
+
+
+# torch's intra-op thread count when this module was imported: a different count later was chosen.
+_THREADS_AT_IMPORT = torch.get_num_threads()
+
+
+def _threads_chosen_by_user() -> bool:
+    return bool(os.environ.get("OMP_NUM_THREADS")) or torch.get_num_threads() != _THREADS_AT_IMPORT
+
+
+def _is_static(cache: Cache) -> bool:
+    """Whether ``cache`` preallocates its keys (`StaticCache`): masks then span its whole length."""
+    return bool(cache.layers) and isinstance(cache.layers[0], StaticLayer)
+
+
+def _static_length(cache: Cache) -> int:
+    return cache.layers[0].max_cache_len
 
 
 def _init_value(tensor: torch.Tensor, value) -> None:
@@ -615,15 +820,16 @@ class NeedlePreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     main_input_name = "input_ids"
     _no_split_modules = ["NeedleDecoderLayer"]
-    supports_gradient_checkpointing = False
+    supports_gradient_checkpointing = True
     _supports_sdpa = True
+    # The additive [B, 1, S, K] mask (padding anywhere, not only on the left) has no varlen form.
     _supports_flash_attn = False
     _supports_flash_attn_2 = False
-    _supports_flex_attn = False
-    _supports_attention_backend = False
+    _supports_flex_attn = True
+    _supports_attention_backend = True
     _supports_cache_class = True
-    _supports_static_cache = False  # the engram context rides along with `input_ids`, see the module docstring
-    _can_compile_fullgraph = False
+    _supports_static_cache = True  # the engram state lives in the cache (`NeedleEngramCacheLayer`)
+    _can_compile_fullgraph = True
 
     def _init_weights(self, module: nn.Module):
         """The reference initialisation: N(0, 0.02) projections, embeddings, tables and probes; residual-stream
@@ -668,14 +874,21 @@ class NeedlePreTrainedModel(PreTrainedModel):
             nn.init.normal_(module.probes, mean=0.0, std=std)
 
     @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, without_heads: bool = False, **kwargs):
         """`PreTrainedModel.from_pretrained`, but strict: every tensor the config implies must be in the
         checkpoint with its exact shape, and no other tensor may be there. Raises `NeedleWeightsError`
         instead of randomly initialising what is missing.
+
+        ``without_heads=True`` builds the model with the optional heads (MTP, contrastive, confidence)
+        switched off in its config and leaves any head tensors of the checkpoint unused: the way to
+        load a backbone checkpoint (a saved `NeedleModel`) into `NeedleForCausalLM`. The backbone
+        itself still loads strictly.
         """
         wants_loading_info = kwargs.pop("output_loading_info", False)
         if kwargs.pop("ignore_mismatched_sizes", False):
             raise ValueError("Needle checkpoints load exactly; `ignore_mismatched_sizes=True` is not supported")
+        if without_heads:
+            kwargs.update(use_mtp_head=False, use_contrastive_head=False, use_confidence_head=False)
         # Let transformers report shape mismatches (instead of raising its own, version-specific error),
         # then refuse them below together with missing and unexpected tensors.
         model, loading_info = super().from_pretrained(
@@ -685,7 +898,8 @@ class NeedlePreTrainedModel(PreTrainedModel):
             ignore_mismatched_sizes=True,
             **kwargs,
         )
-        _raise_unless_exact(model, loading_info, pretrained_model_name_or_path)
+        unused = NeedleModel._unused_checkpoint_prefixes if without_heads else ()
+        _raise_unless_exact(model, loading_info, pretrained_model_name_or_path, unused_prefixes=unused)
         return (model, loading_info) if wants_loading_info else model
 
 
@@ -701,9 +915,9 @@ def _local_checkpoint_shape(source, name: str) -> Optional[tuple]:
     return None
 
 
-def _raise_unless_exact(model: PreTrainedModel, loading_info: dict, source) -> None:
+def _raise_unless_exact(model: PreTrainedModel, loading_info: dict, source, unused_prefixes: tuple = ()) -> None:
     missing = sorted(loading_info.get("missing_keys") or [])
-    unused_prefixes = getattr(model, "_unused_checkpoint_prefixes", ())
+    unused_prefixes = tuple(getattr(model, "_unused_checkpoint_prefixes", ())) + tuple(unused_prefixes)
     unexpected = sorted(
         name for name in loading_info.get("unexpected_keys") or [] if not name.startswith(unused_prefixes)
     )
@@ -734,7 +948,7 @@ def _raise_unless_exact(model: PreTrainedModel, loading_info: dict, source) -> N
     if any(name.startswith(("mtp.", "contrastive_head.", "confidence_head.")) for name in missing + unexpected):
         hint = (
             " The optional heads present must agree with use_mtp_head / use_contrastive_head /"
-            " use_confidence_head in config.json."
+            " use_confidence_head in config.json (a backbone checkpoint loads with `without_heads=True`)."
         )
     raise NeedleWeightsError(
         f"{type(model).__name__}.from_pretrained({str(source)!r}): the checkpoint does not match the config: "
@@ -768,6 +982,7 @@ class NeedleModel(NeedlePreTrainedModel):
         self.embed_scale = math.sqrt(config.hidden_size)
         # Constants derived from the config, kept out of the state dict: copies per (name, device, dtype).
         self._constant_copies: dict[tuple, torch.Tensor] = {}
+        self.gradient_checkpointing = False
         self.post_init()
 
     @property
@@ -804,86 +1019,76 @@ class NeedleModel(NeedlePreTrainedModel):
         self,
         batch: int,
         length: int,
-        past_length: int,
+        cache_position: torch.Tensor,
+        key_length: int,
         attention_mask: Optional[torch.Tensor],
         position_ids: Optional[torch.Tensor],
     ) -> NeedleStepInputs:
-        """Masks, RoPE tables and the Walsh matrix of a forward call over ``length`` new tokens."""
+        """Masks, RoPE tables and constants of a forward call over ``length`` new tokens at ``cache_position``
+        [S], attending over ``key_length`` keys (past + S, or a static cache's length)."""
         device, dtype = self.embed_tokens.weight.device, self.embed_tokens.weight.dtype
-        total = past_length + length
+        past_length = cache_position[0]
         if attention_mask is None:
-            key_visible = torch.ones(batch, total, dtype=torch.bool, device=device)
+            key_visible = torch.ones(batch, key_length, dtype=torch.bool, device=device)
         else:
             if attention_mask.dim() != 2:
                 raise ValueError(
                     f"Needle takes a 2-D attention_mask [batch, past + new tokens] marking real tokens with 1, "
                     f"got shape {tuple(attention_mask.shape)}"
                 )
-            if tuple(attention_mask.shape) != (batch, total):
+            if attention_mask.shape[0] != batch or attention_mask.shape[1] > key_length:
                 raise ValueError(
-                    f"attention_mask must cover the cached and the new tokens: expected shape {(batch, total)}, "
+                    f"attention_mask must cover the cached and the new tokens: expected shape {(batch, key_length)}, "
                     f"got {tuple(attention_mask.shape)}"
                 )
             key_visible = attention_mask.to(device=device, dtype=torch.bool)
+            key_visible = F.pad(key_visible, (0, key_length - key_visible.shape[1]))  # a static cache's free slots
         if position_ids is None:
             position_ids = default_position_ids(attention_mask, past_length, length, batch, device)
         inverse_frequencies = self.constant("rope_inverse_frequencies", device, torch.float32)
         angles = position_ids.to(device).float()[..., None] * inverse_frequencies  # [B, S, hd/2]
         angles = torch.cat([angles, angles], dim=-1)[:, None]  # [B, 1, S, hd], see `apply_rotary`
-        group = self.config.num_attention_heads // self.config.num_key_value_heads
-        allowed = attention_allowed(key_visible, past_length, length, group)
-        # What scaled_dot_product_attention turns a boolean mask into (`torch.where(mask, 0, -inf)`).
-        attention_bias = torch.full(allowed.shape, float("-inf"), dtype=dtype, device=device).masked_fill_(allowed, 0.0)
+        allowed = attention_allowed(key_visible, past_length, length, group=1)  # [B, 1, S, K]
+        if self.config._attn_implementation == "flex_attention":
+            attention_mask_4d = _flex_block_mask(allowed)
+        else:
+            attention_mask_4d = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(
+                ~allowed, torch.finfo(dtype).min
+            )
         return NeedleStepInputs(
             key_visible=key_visible,
-            allowed=allowed,
-            attention_bias=attention_bias,
+            attention_mask=attention_mask_4d,
             cos=torch.cos(angles),
             sin=torch.sin(angles),
+            cache_position=cache_position,
             walsh=self.constant("walsh", device, dtype),
             pre_offsets=self.constant("pre_offsets", device, torch.float32),
             post_offsets=self.constant("post_offsets", device, torch.float32),
         )
 
     def engram_memory(
-        self,
-        input_ids: torch.Tensor,
-        key_visible: torch.Tensor,
-        past_length: int,
-        engram_context_ids: Optional[torch.Tensor],
+        self, input_ids: torch.Tensor, step: NeedleStepInputs, cache: Optional[Cache]
     ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         """Engram (key, value) [B, S, d] of the new tokens, by the layer that reads them.
 
-        Positions hidden by the mask (padding) count as invisible: an n-gram or a conv tap that reaches
-        one contributes zero, exactly like one that reaches before the start of the text.
+        The window is the `engram_history` positions before the new ones (their ids from the cache's
+        `NeedleEngramCacheLayer`, none without a cache) and the new ones. Positions hidden by the mask
+        (padding) or before the text count as invisible: an n-gram or a conv tap that reaches one
+        contributes zero.
         """
         if not self.engrams:
             return {}
         config = self.config
         batch, length = input_ids.shape
-        if past_length == 0:
-            if engram_context_ids is not None and engram_context_ids.numel() > 0:
-                raise ValueError(
-                    "engram_context_ids was given but the cache is empty: there is no text before input_ids"
-                )
-            window_ids, window_visible, first_new = input_ids, key_visible, 0
+        history = self.engram_context_length
+        cache_position = step.cache_position
+        if cache is None:
+            before_ids = input_ids.new_zeros(batch, history)
         else:
-            needed = min(past_length, self.engram_context_length)
-            if engram_context_ids is None or engram_context_ids.shape[1] < needed:
-                found = "none" if engram_context_ids is None else f"{engram_context_ids.shape[1]} tokens"
-                raise ValueError(
-                    f"decoding with a cache of {past_length} tokens needs engram_context_ids, the last {needed} token "
-                    f"ids before input_ids (the engram hashes n-grams across that boundary); found {found}. "
-                    "generate() passes them automatically."
-                )
-            if engram_context_ids.shape[0] != batch:
-                raise ValueError(
-                    f"engram_context_ids has batch size {engram_context_ids.shape[0]}, input_ids {batch}"
-                )
-            context = engram_context_ids[:, engram_context_ids.shape[1] - needed :].to(input_ids.device)
-            window_ids = torch.cat([context, input_ids], dim=1)
-            window_visible = key_visible[:, past_length - needed :]
-            first_new = needed
+            before_ids = self.engram_cache_layer(cache).update_engram_ids(input_ids, cache_position, history)
+        positions = torch.cat([cache_position[:1] - history + torch.arange(history, device=input_ids.device), cache_position])
+        window_visible = step.key_visible.index_select(1, positions.clamp(min=0)) & (positions >= 0)  # [B, H + S]
+        window_ids = torch.cat([before_ids, input_ids], dim=1)  # [B, H + S]
 
         indices = engram_hash_indices(window_ids, config.engram_orders, config.engram_num_heads, config.engram_slots)
         # An n-gram of order o ending at t is visible when its first token, t - (o - 1), is.
@@ -893,8 +1098,20 @@ class NeedleModel(NeedlePreTrainedModel):
         dtype = self.embed_tokens.weight.dtype
         memory = {}
         for engram, layer_idx in zip(self.engrams, config.engram_layers):
-            memory[layer_idx] = engram(indices, ngram_visible, window_visible, first_new, dtype)
+            memory[layer_idx] = engram(indices, ngram_visible, window_visible, history, dtype)
         return memory
+
+    def engram_cache_layer(self, cache: Cache) -> NeedleEngramCacheLayer:
+        """The cache layer that holds the engram state (that of the first engram layer), made a Needle
+        layer on first use."""
+        index = self.config.engram_layers[0]
+        if getattr(cache, "layer_class_to_replicate", None) is not None:
+            while len(cache.layers) <= index:
+                cache.layers.append(cache.layer_class_to_replicate())
+        layer = cache.layers[index]
+        if not isinstance(layer, NeedleEngramCacheLayer):
+            layer = cache.layers[index] = NeedleEngramCacheLayer.adopt(layer)
+        return layer
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Float32 ``E[tokens] * sqrt(d)`` [B, S, d] (the reference scales before casting to the compute dtype)."""
@@ -902,62 +1119,75 @@ class NeedleModel(NeedlePreTrainedModel):
 
     def forward(
         self,
-        input_ids: Optional[torch.LongTensor] = None,
+        input_ids: torch.LongTensor,
         attention_mask: Optional[torch.Tensor] = None,
         position_ids: Optional[torch.LongTensor] = None,
-        past_key_values: Optional[Cache] = None,
-        inputs_embeds: Optional[torch.Tensor] = None,
+        cache: Optional[Cache] = None,
         use_cache: Optional[bool] = None,
         output_attentions: Optional[bool] = None,
         output_hidden_states: Optional[bool] = None,
         return_dict: Optional[bool] = None,
-        engram_context_ids: Optional[torch.LongTensor] = None,
-        cache: Optional[Cache] = None,
-        **kwargs,
+        cache_position: Optional[torch.LongTensor] = None,
+        past_key_values: Optional[Cache] = None,
     ) -> Union[BaseModelOutputWithPast, tuple]:
         """Run the backbone on ``input_ids`` [B, S].
 
         Args:
-            attention_mask: [B, past + S], 1 for real tokens and 0 for padding (left or right).
+            attention_mask: [B, past + S] (or [B, max_cache_len] with a static cache), 1 for real tokens
+                and 0 for padding (left or right).
             position_ids: [B, S]; default ``cumsum(attention_mask) - 1`` (or ``past + arange(S)``).
-            past_key_values / cache: a transformers `Cache` (the 4.x / 5.x name); created when
-                ``use_cache`` and none is given.
-            engram_context_ids: [B, >= min(past, engram_context_length)] the token ids right before
-                ``input_ids``; required once the cache is not empty (`generate` passes them).
+            cache: a transformers `DynamicCache` or `StaticCache`, which also carries the engram state
+                (`NeedleEngramCacheLayer`); created when ``use_cache`` and none is given.
+                ``past_key_values`` is its name before transformers 5.
+            cache_position: [S] where the new tokens go in the cache (default: after the cached ones).
             output_hidden_states: return ``(x0, lane mean after layer 1, ..., after layer L)``; the
                 final-normed output is ``last_hidden_state``.
-            output_attentions: return each layer's attention probabilities (computed eagerly).
-
-        Other keyword arguments that `generate` passes along (``cache_position``, ...) are ignored:
-        positions come from the cache length and the mask.
+            output_attentions: return each layer's attention probabilities (eager attention only).
         """
-        if inputs_embeds is not None:
-            raise ValueError(
-                "Needle reads token ids (its engram memory hashes them): pass input_ids, not inputs_embeds"
-            )
-        if input_ids is None:
-            raise ValueError("input_ids is required")
         cache = _merge_cache_arguments(past_key_values, cache)
         use_cache = _config_default(use_cache, self.config, "use_cache", True)
         output_attentions = _config_default(output_attentions, self.config, "output_attentions", False)
         output_hidden_states = _config_default(output_hidden_states, self.config, "output_hidden_states", False)
         return_dict = _config_default(return_dict, self.config, "return_dict", True)
+        if output_attentions and self.config._attn_implementation != "eager":
+            raise ValueError(
+                f"output_attentions needs eager attention; this model uses {self.config._attn_implementation!r} "
+                "(load it with attn_implementation='eager')"
+            )
+        if self.gradient_checkpointing and self.training and use_cache:
+            use_cache = False  # recomputed layers would write their keys twice
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)
+        if not use_cache:
+            cache = None
 
         batch, length = input_ids.shape
-        past_length = cache.get_seq_length() if cache is not None else 0
-        step = self.step_inputs(batch, length, past_length, attention_mask, position_ids)
+        device = input_ids.device
+        static = cache is not None and _is_static(cache)
+        if cache_position is None:
+            past = cache.get_seq_length() if cache is not None else 0
+            cache_position = torch.arange(length, device=device) + past
+        if static:
+            key_length = _static_length(cache)
+        else:
+            key_length = (cache.get_seq_length() if cache is not None else 0) + length
+            if attention_mask is not None and tuple(attention_mask.shape) != (batch, key_length):
+                raise ValueError(
+                    f"attention_mask must cover the cached and the new tokens: expected shape {(batch, key_length)}, "
+                    f"got {tuple(attention_mask.shape)}"
+                )
+        step = self.step_inputs(batch, length, cache_position, key_length, attention_mask, position_ids)
         dtype = self.embed_tokens.weight.dtype
 
         x0 = self.embed(input_ids).to(dtype)  # [B, S, d]
-        memory = self.engram_memory(input_ids, step.key_visible, past_length, engram_context_ids)
+        memory = self.engram_memory(input_ids, step, cache)
         lanes = x0[:, :, None, :].expand(-1, -1, self.config.hyper_connection_lanes, -1)  # [B, S, L, d]
 
         all_hidden = (x0,) if output_hidden_states else None
         all_attentions = () if output_attentions else None
         for i, layer in enumerate(self.layers):
-            lanes, probs = layer(lanes, step, cache=cache, engram=memory.get(i), need_weights=output_attentions)
+            key, value = memory.get(i, (None, None))
+            lanes, probs = layer(lanes, key, value, step, cache=cache, output_attentions=output_attentions)
             if output_hidden_states:
                 all_hidden += (lane_mean(lanes),)
             if output_attentions:
@@ -968,7 +1198,7 @@ class NeedleModel(NeedlePreTrainedModel):
             last_hidden_state=hidden,
             hidden_states=all_hidden,
             attentions=all_attentions,
-            **{_BASE_CACHE_OUTPUT_FIELD: cache if use_cache else None},
+            **{_BASE_CACHE_OUTPUT_FIELD: cache},
         )
         return output if return_dict else output.to_tuple()
 
@@ -986,6 +1216,8 @@ class NeedleForCausalLM(NeedlePreTrainedModel, GenerationMixin):
 
     # The output head is the token embedding itself (no lm_head tensor), so nothing needs tying.
     _tied_weights_keys = None
+    # The forward takes `num_items_in_batch` (so `Trainer` leaves the loss normalisation to it).
+    accepts_loss_kwargs = True
 
     def __init__(self, config: NeedleConfig):
         super().__init__(config)
@@ -1021,26 +1253,30 @@ class NeedleForCausalLM(NeedlePreTrainedModel, GenerationMixin):
 
     def forward(
         self,
-        input_ids: Optional[torch.LongTensor] = None,
+        input_ids: torch.LongTensor,
         attention_mask: Optional[torch.Tensor] = None,
         position_ids: Optional[torch.LongTensor] = None,
-        past_key_values: Optional[Cache] = None,
-        inputs_embeds: Optional[torch.Tensor] = None,
+        cache: Optional[Cache] = None,
         labels: Optional[torch.LongTensor] = None,
         use_cache: Optional[bool] = None,
         output_attentions: Optional[bool] = None,
         output_hidden_states: Optional[bool] = None,
         return_dict: Optional[bool] = None,
+        cache_position: Optional[torch.LongTensor] = None,
         logits_to_keep: Union[int, torch.Tensor] = 0,
         return_mtp_logits: bool = False,
-        engram_context_ids: Optional[torch.LongTensor] = None,
-        cache: Optional[Cache] = None,
-        **kwargs,
+        num_items_in_batch: Optional[Union[int, torch.Tensor]] = None,
+        shift_labels: Optional[torch.LongTensor] = None,
+        past_key_values: Optional[Cache] = None,
     ) -> Union[NeedleCausalLMOutput, tuple]:
         """Logits [B, S, V] float32 of ``input_ids`` [B, S] (see `NeedleModel.forward` for the inputs).
 
         Args:
-            labels: [B, S] token ids (-100 = ignored); the loss is next-token cross-entropy.
+            labels: [B, S] token ids (-100 = ignored); the loss is next-token cross-entropy
+                (transformers' `ForCausalLMLoss`: labels shift left by one inside).
+            shift_labels: [B, S] labels already aligned with the logits (instead of ``labels``).
+            num_items_in_batch: the number of target tokens of the whole (accumulated) batch: the loss
+                is then a sum divided by it, so gradient accumulation matches one big batch.
             logits_to_keep: keep the logits of the last ``n`` positions (int, 0 = all) or of the given
                 position indices (tensor); applies to ``mtp_logits`` too.
             return_mtp_logits: also return ``mtp_logits`` (``mtp_logits[:, t]`` scores token t + 2);
@@ -1058,12 +1294,11 @@ class NeedleForCausalLM(NeedlePreTrainedModel, GenerationMixin):
             attention_mask=attention_mask,
             position_ids=position_ids,
             cache=cache,
-            inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             output_attentions=output_attentions,
             output_hidden_states=output_hidden_states,
             return_dict=True,
-            engram_context_ids=engram_context_ids,
+            cache_position=cache_position,
         )
         hidden = outputs.last_hidden_state
         keep = _positions_to_keep(logits_to_keep)
@@ -1072,19 +1307,22 @@ class NeedleForCausalLM(NeedlePreTrainedModel, GenerationMixin):
         mtp_logits = None
         if return_mtp_logits:
             batch, length = input_ids.shape
-            step = self.model.step_inputs(batch, length, 0, attention_mask, position_ids)
+            positions = torch.arange(length, device=input_ids.device)
+            step = self.model.step_inputs(batch, length, positions, length, attention_mask, position_ids)
             next_ids = torch.cat([input_ids[:, 1:], torch.zeros_like(input_ids[:, :1])], dim=1)
             predicted = self.mtp(hidden, self.model.embed(next_ids), step)
             mtp_logits = self.tied_logits(predicted[:, keep])
 
         loss = None
-        if labels is not None:
+        if labels is not None or shift_labels is not None:
             if logits.shape[1] != input_ids.shape[1]:
                 raise ValueError("labels need the logits of every position: leave logits_to_keep at 0")
-            loss = F.cross_entropy(
-                logits[:, :-1].reshape(-1, logits.shape[-1]),
-                labels[:, 1:].reshape(-1).to(logits.device),
-                ignore_index=-100,
+            loss = self.loss_function(
+                logits=logits,
+                labels=labels,
+                vocab_size=self.config.vocab_size,
+                num_items_in_batch=num_items_in_batch,
+                shift_labels=shift_labels,
             )
 
         output = NeedleCausalLMOutput(
@@ -1097,15 +1335,53 @@ class NeedleForCausalLM(NeedlePreTrainedModel, GenerationMixin):
         )
         return output if return_dict else output.to_tuple()
 
+    def generate(self, *args, **kwargs):
+        """`GenerationMixin.generate`, on one intra-op thread on the CPU unless the user chose a count.
+
+        A decoding step is thousands of small ops; with several OpenMP threads each op that opens a
+        parallel region waits for every thread to be scheduled, which on a loaded machine made
+        decoding up to 10x slower than one thread (whose speed does not depend on the load). A
+        thread count set with ``torch.set_num_threads`` (after importing this module) or
+        ``OMP_NUM_THREADS`` is left alone; the previous count is restored afterwards either way.
+        """
+        if self.device.type != "cpu" or _threads_chosen_by_user():
+            return super().generate(*args, **kwargs)
+        previous = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return super().generate(*args, **kwargs)
+        finally:
+            torch.set_num_threads(previous)
+
     def prepare_inputs_for_generation(self, input_ids: torch.LongTensor, *args, **kwargs) -> dict:
-        """`GenerationMixin`'s preparation, plus ``engram_context_ids``: the tokens right before the ones
-        this step feeds, cut from the full ``input_ids`` (already reordered by beam search)."""
+        """`GenerationMixin`'s preparation, after checking that the text fits the model's positions."""
+        limit = self.config.max_position_embeddings
+        if input_ids.shape[1] > limit:
+            raise ValueError(
+                f"the text reaches {input_ids.shape[1]} positions, more than max_position_embeddings={limit}; "
+                "shorten the prompt or max_new_tokens"
+            )
         model_inputs = super().prepare_inputs_for_generation(input_ids, *args, **kwargs)
-        step_ids = model_inputs.get("input_ids")
-        if step_ids is not None and step_ids.shape[1] < input_ids.shape[1]:
-            preceding = input_ids[:, : input_ids.shape[1] - step_ids.shape[1]]
-            model_inputs["engram_context_ids"] = preceding[:, -self.engram_context_length :]
+        # Filled in (as None) by transformers 4.57 for every model; Needle reads token ids only.
+        model_inputs.pop("inputs_embeds", None)
         return model_inputs
+
+    def create_masks_for_generate(
+        self,
+        config: NeedleConfig,
+        attention_mask: Optional[torch.Tensor],
+        cache: Optional[Cache] = None,
+        past_key_values: Optional[Cache] = None,
+        **generation_metadata,
+    ) -> Optional[torch.Tensor]:
+        """`GenerationMixin`'s hook for compilable (static) caches: keep the 2-D padding mask, padded
+        with zeros to the cache's length, so every decoding step sees the same shapes. (The other
+        arguments transformers passes here, shapes and token types, differ between versions and say
+        nothing the mask does not.)"""
+        cache = cache if cache is not None else past_key_values
+        if attention_mask is None or cache is None or not _is_static(cache):
+            return attention_mask
+        return F.pad(attention_mask, (0, _static_length(cache) - attention_mask.shape[1]))
 
     # ----------------------------------------------------------------------------------------------
     # Probe-pooling heads

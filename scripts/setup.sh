@@ -17,6 +17,8 @@ REFERENCE="cactus-needle[train]==2.0.15"
 # Fine-tuning stack (the `finetune` extra), the same pins in both environments; datasets 5.0.1 is the
 # newest release that accepts huggingface_hub<1.0 (.venv), 5.2.0 the one for huggingface_hub 1.x (.venv-v5).
 FINETUNE="peft==0.21.2 trl==1.16.0 accelerate==1.15.0"
+# The ONNX export test's exporter and runtime (.venv only).
+ONNX=("onnx==1.23.2" "onnxruntime==1.32.0" "onnxscript==0.7.2")
 
 stamp_of() { cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16; }
 STAMP=$(stamp_of)
@@ -28,7 +30,7 @@ if [ ! -f .venv/.needle-setup-$STAMP ]; then
     [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
     pip_quiet .venv/bin/python -m pip install --upgrade pip
     pip_quiet .venv/bin/python -m pip install "$TORCH" "transformers==4.57.6" "$REFERENCE" \
-        "jax>=0.4.30" "flax>=0.10" "huggingface_hub<1.0" pytest psutil sentencepiece
+        "jax>=0.4.30" "flax>=0.10" "huggingface_hub<1.0" pytest psutil sentencepiece "${ONNX[@]}"
     pip_quiet .venv/bin/python -m pip install -e ".[flax,torch,test,finetune]" "$TORCH" "transformers==4.57.6" \
         "huggingface_hub<1.0" "datasets==5.0.1" $FINETUNE
     rm -f .venv/.needle-setup-*

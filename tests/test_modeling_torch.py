@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 import safetensors.numpy
 import torch
+from transformers.modeling_outputs import CausalLMOutputWithPast
+from torch_support import one_cpu_thread  # noqa: F401 (module-wide fixture)
 from needle_reference import (
     BASE_NATIVE_CONFIG,
     TINY_NATIVE_CONFIG,
@@ -50,15 +52,6 @@ ODD_WIDTH_NATIVE_CONFIG = dict(
 )
 SEQUENCE_LENGTH = 24  # > 11 = the engram's reach (n-gram + dilated conv), so every path is exercised
 NO_EOS = dict(eos_token_id=None, pad_token_id=0)  # generate exactly max_new_tokens
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_cpu_thread():
-    """On a small shared CPU, OpenMP's thread wake-ups cost more than these tiny matmuls; one thread is ~100x faster."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 def hf_config(native: dict) -> NeedleConfig:
@@ -286,18 +279,21 @@ def test_sdpa_and_eager_attention_agree(tiny_params, tiny_model):
 # KV cache
 
 
-def cached_decode(model, ids: torch.Tensor, mask: torch.Tensor, chunks: list[int]) -> torch.Tensor:
-    """Logits of ``ids`` fed in chunks through one DynamicCache, engram context passed by hand."""
-    cache, pieces, start = None, [], 0
+CACHE_ARGUMENT = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
+def cached_decode(model, ids: torch.Tensor, mask: torch.Tensor, chunks: list[int], cache=None) -> torch.Tensor:
+    """Logits of ``ids`` fed in chunks through one cache (a DynamicCache unless given): the cache
+    carries the engram state, nothing else is passed between steps."""
+    pieces, start = [], 0
     for size in chunks:
         out = model(
             ids[:, start : start + size],
             attention_mask=mask[:, : start + size],
-            past_key_values=cache,
-            engram_context_ids=ids[:, :start] if start else None,
             use_cache=True,
+            **{CACHE_ARGUMENT: cache},
         )
-        cache = out.cache if "cache" in out else out.past_key_values
+        cache = getattr(out, CACHE_ARGUMENT)
         pieces.append(out.logits)
         start += size
     return torch.cat(pieces, dim=1)
@@ -318,15 +314,6 @@ def test_cached_decoding_matches_the_full_forward(tiny_params, attn_implementati
     real = mask.bool()
     assert max_difference(stepwise[real], full[real]) <= PARITY_TOLERANCE
     assert max_difference(stepwise[:, 12:][real[:, 12:]], full[:, 12:][real[:, 12:]]) <= PARITY_TOLERANCE
-
-
-def test_cached_step_without_engram_context_is_refused(tiny_model):
-    ids = torch.from_numpy(random_tokens(1, 8, seed=6))
-    with torch.no_grad():
-        out = tiny_model(ids[:, :6], use_cache=True)
-        cache = out.cache if "cache" in out else out.past_key_values
-        with pytest.raises(ValueError, match="engram_context_ids"):
-            tiny_model(ids[:, 6:], past_key_values=cache)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -421,6 +408,20 @@ def test_backbone_loads_from_a_causal_lm_checkpoint(tiny_folder, tiny_model):
         alone = backbone(ids, use_cache=False).last_hidden_state
         inside = tiny_model.model(ids, use_cache=False).last_hidden_state
     assert torch.equal(alone, inside)
+
+
+def test_backbone_checkpoint_loads_into_the_causal_lm_only_with_heads_off(tiny_folder, tiny_model, tmp_path):
+    NeedleModel.from_pretrained(tiny_folder).save_pretrained(tmp_path)
+    with pytest.raises(NeedleWeightsError, match=r"missing tensor.*confidence_head\..*without_heads=True"):
+        NeedleForCausalLM.from_pretrained(tmp_path)
+    causal_lm = NeedleForCausalLM.from_pretrained(tmp_path, without_heads=True).eval()
+    config = causal_lm.config
+    assert causal_lm.mtp is None and not (config.use_mtp_head or config.use_contrastive_head or config.use_confidence_head)
+    ids = torch.from_numpy(random_tokens(1, 10, seed=18))
+    with torch.no_grad():
+        assert torch.equal(causal_lm(ids, use_cache=False).logits, tiny_model(ids, use_cache=False).logits)
+    # A causal-LM checkpoint with heads loads the same way, its head tensors left unused.
+    assert NeedleForCausalLM.from_pretrained(tiny_folder, without_heads=True).mtp is None
 
 
 @pytest.mark.parametrize(
