@@ -97,6 +97,10 @@ class NeedleConfig(PretrainedConfig):
             confidence head.
         kv_window (`int`, *optional*, defaults to 0): Sliding KV window the model was trained for
             (metadata for deployment exports; the HF models attend to the whole context).
+        attention_window (`int`, *optional*, defaults to 0): Sliding attention window the HF models
+            apply: 0 attends to the whole context (default, as the reference's forward); ``n > 0``
+            lets each token see only the last ``n`` positions, as the engine decodes with its KV
+            window (`needle_hf.kv_window.engine_kv_window` gives the window the engine derives).
         kv_bits (`int`, *optional*, defaults to 8): KV-cache width of deployment exports (metadata).
         act_bits (`int`, *optional*, defaults to 8): Activation width of deployment exports (metadata).
         weight_bits (`str`, *optional*, defaults to `""`): Mixed-precision weight map of deployment
@@ -131,6 +135,7 @@ class NeedleConfig(PretrainedConfig):
         use_contrastive_head=False,
         use_confidence_head=False,
         kv_window=0,
+        attention_window=0,
         kv_bits=8,
         act_bits=8,
         weight_bits="",
@@ -160,6 +165,9 @@ class NeedleConfig(PretrainedConfig):
         self.use_contrastive_head = bool(use_contrastive_head)
         self.use_confidence_head = bool(use_confidence_head)
         self.kv_window = int(kv_window)
+        self.attention_window = int(attention_window)
+        if self.attention_window < 0:
+            raise ValueError(f"attention_window: expected 0 (full attention) or a positive window, got {attention_window}")
         self.kv_bits = int(kv_bits)
         self.act_bits = int(act_bits)
         self.weight_bits = str(weight_bits or "")

@@ -606,11 +606,15 @@ class FlaxNeedleModule(nn.Module):
         return self.engrams(new(indices), new(ngram_visible), tap_visible, init_cache=init_cache)
 
     def key_mask(self, attention_mask, query_length: int, cache_index):
-        """Which keys each query may see: [B, T, S] from a [B, S] padding mask (S = cache length when decoding)."""
+        """Which keys each query may see: [B, T, S] from a [B, S] padding mask (S = cache length when decoding);
+        with ``config.attention_window = n > 0`` only the last ``n`` key slots (see `kv_window.py`)."""
         keys = attention_mask.shape[1]
         start = 0 if cache_index is None else cache_index
         query_pos = start + jnp.arange(query_length)
         causal = jnp.arange(keys)[None, :] <= query_pos[:, None]  # [T, S]
+        window = getattr(self.config, "attention_window", 0)
+        if window > 0:
+            causal = causal & (query_pos[:, None] - jnp.arange(keys)[None, :] < window)
         return causal[None] & attention_mask.astype(jnp.bool_)[:, None, :]
 
     def __call__(

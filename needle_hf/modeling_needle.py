@@ -190,8 +190,11 @@ def engram_hash_indices(tokens: torch.Tensor, orders, num_heads: int, slots: int
     return acc % slots
 
 
-def attention_allowed(key_visible: torch.Tensor, past_length: int, query_length: int, group: int) -> torch.Tensor:
-    """Boolean attention mask [B, 1, group * S, past + S]: causal, restricted to visible keys.
+def attention_allowed(
+    key_visible: torch.Tensor, past_length: int, query_length: int, group: int, window: int = 0
+) -> torch.Tensor:
+    """Boolean attention mask [B, 1, group * S, past + S]: causal, restricted to visible keys and,
+    with ``window > 0``, to the last ``window`` key slots (the engine's sliding KV window, see `kv_window.py`).
 
     A query may always attend to itself, so that the rows of padding positions (which see no visible
     key) stay finite; real positions are unaffected because they see themselves anyway.
@@ -203,6 +206,8 @@ def attention_allowed(key_visible: torch.Tensor, past_length: int, query_length:
     key_positions = torch.arange(key_visible.shape[1], device=device)  # [K]
     causal = key_positions[None, :] <= query_positions[:, None]  # [S, K]
     itself = key_positions[None, :] == query_positions[:, None]  # [S, K]
+    if window > 0:
+        causal = causal & (query_positions[:, None] - key_positions[None, :] < window)
     allowed = (causal[None] & key_visible[:, None, :]) | itself[None]  # [B, S, K]
     return allowed.repeat(1, group, 1)[:, None]  # [B, 1, group * S, K]
 
@@ -274,7 +279,7 @@ class NeedleAttention(nn.Module):
     def __init__(self, config: NeedleConfig, layer_idx: Optional[int]):
         super().__init__()
         self.config = config
-        self.layer_idx = layer_idx  # index into the KV cache; None for the (uncached) MTP block
+        self.layer_idx = layer_idx  # index into the KV cache (the MTP block: into its own cache)
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -519,12 +524,16 @@ class NeedleMultiTokenPrediction(nn.Module):
         self.combine_proj = nn.Linear(2 * d, d, bias=False)
         self.embed_norm = NeedleRMSNorm(d, config.rms_norm_eps)
         self.norm = NeedleRMSNorm(d, config.rms_norm_eps)
-        self.block = NeedleBlock(config, layer_idx=None)
+        # Layer 0 of the MTP's own cache when it drafts while decoding (`speculative.py`); uncached otherwise.
+        self.block = NeedleBlock(config, layer_idx=0)
 
-    def forward(self, hidden: torch.Tensor, next_embedded: torch.Tensor, step: NeedleStepInputs) -> torch.Tensor:
-        """hidden: [B, S, d] final-normed backbone output; next_embedded: [B, S, d] float32 ``E[t+1] * sqrt(d)``."""
+    def forward(
+        self, hidden: torch.Tensor, next_embedded: torch.Tensor, step: NeedleStepInputs, cache: Optional[Cache] = None
+    ) -> torch.Tensor:
+        """hidden: [B, S, d] final-normed backbone output; next_embedded: [B, S, d] float32 ``E[t+1] * sqrt(d)``;
+        cache: the MTP block's own one-layer cache of the positions before these (None: the whole text)."""
         combined = torch.cat([hidden, self.embed_norm(next_embedded).to(hidden.dtype)], dim=-1)
-        return self.norm(self.block(self.combine_proj(combined), step))
+        return self.norm(self.block.block(self.combine_proj(combined), step, cache=cache)[0])
 
 
 def probe_pool(cells: torch.Tensor, keep: torch.Tensor, probes: torch.Tensor) -> torch.Tensor:
@@ -807,8 +816,10 @@ class NeedleModel(NeedlePreTrainedModel):
         past_length: int,
         attention_mask: Optional[torch.Tensor],
         position_ids: Optional[torch.Tensor],
+        attention_window: int = 0,
     ) -> NeedleStepInputs:
-        """Masks, RoPE tables and the Walsh matrix of a forward call over ``length`` new tokens."""
+        """Masks, RoPE tables and the Walsh matrix of a forward call over ``length`` new tokens
+        (``attention_window``: see `attention_allowed`)."""
         device, dtype = self.embed_tokens.weight.device, self.embed_tokens.weight.dtype
         total = past_length + length
         if attention_mask is None:
@@ -831,7 +842,7 @@ class NeedleModel(NeedlePreTrainedModel):
         angles = position_ids.to(device).float()[..., None] * inverse_frequencies  # [B, S, hd/2]
         angles = torch.cat([angles, angles], dim=-1)[:, None]  # [B, 1, S, hd], see `apply_rotary`
         group = self.config.num_attention_heads // self.config.num_key_value_heads
-        allowed = attention_allowed(key_visible, past_length, length, group)
+        allowed = attention_allowed(key_visible, past_length, length, group, attention_window)
         # What scaled_dot_product_attention turns a boolean mask into (`torch.where(mask, 0, -inf)`).
         attention_bias = torch.full(allowed.shape, float("-inf"), dtype=dtype, device=device).masked_fill_(allowed, 0.0)
         return NeedleStepInputs(
@@ -913,6 +924,7 @@ class NeedleModel(NeedlePreTrainedModel):
         return_dict: Optional[bool] = None,
         engram_context_ids: Optional[torch.LongTensor] = None,
         cache: Optional[Cache] = None,
+        attention_window: Optional[int] = None,
         **kwargs,
     ) -> Union[BaseModelOutputWithPast, tuple]:
         """Run the backbone on ``input_ids`` [B, S].
@@ -927,6 +939,8 @@ class NeedleModel(NeedlePreTrainedModel):
             output_hidden_states: return ``(x0, lane mean after layer 1, ..., after layer L)``; the
                 final-normed output is ``last_hidden_state``.
             output_attentions: return each layer's attention probabilities (computed eagerly).
+            attention_window: attend to the last ``n`` key slots only (0: all); default
+                ``config.attention_window`` (0, full attention). `generate(attention_window=n)` passes it.
 
         Other keyword arguments that `generate` passes along (``cache_position``, ...) are ignored:
         positions come from the cache length and the mask.
@@ -947,7 +961,8 @@ class NeedleModel(NeedlePreTrainedModel):
 
         batch, length = input_ids.shape
         past_length = cache.get_seq_length() if cache is not None else 0
-        step = self.step_inputs(batch, length, past_length, attention_mask, position_ids)
+        window = getattr(self.config, "attention_window", 0) if attention_window is None else attention_window
+        step = self.step_inputs(batch, length, past_length, attention_mask, position_ids, int(window))
         dtype = self.embed_tokens.weight.dtype
 
         x0 = self.embed(input_ids).to(dtype)  # [B, S, d]
@@ -1035,6 +1050,7 @@ class NeedleForCausalLM(NeedlePreTrainedModel, GenerationMixin):
         return_mtp_logits: bool = False,
         engram_context_ids: Optional[torch.LongTensor] = None,
         cache: Optional[Cache] = None,
+        attention_window: Optional[int] = None,
         **kwargs,
     ) -> Union[NeedleCausalLMOutput, tuple]:
         """Logits [B, S, V] float32 of ``input_ids`` [B, S] (see `NeedleModel.forward` for the inputs).
@@ -1064,6 +1080,7 @@ class NeedleForCausalLM(NeedlePreTrainedModel, GenerationMixin):
             output_hidden_states=output_hidden_states,
             return_dict=True,
             engram_context_ids=engram_context_ids,
+            attention_window=attention_window,
         )
         hidden = outputs.last_hidden_state
         keep = _positions_to_keep(logits_to_keep)
@@ -1072,7 +1089,8 @@ class NeedleForCausalLM(NeedlePreTrainedModel, GenerationMixin):
         mtp_logits = None
         if return_mtp_logits:
             batch, length = input_ids.shape
-            step = self.model.step_inputs(batch, length, 0, attention_mask, position_ids)
+            window = self.config.attention_window if attention_window is None else attention_window
+            step = self.model.step_inputs(batch, length, 0, attention_mask, position_ids, int(window))
             next_ids = torch.cat([input_ids[:, 1:], torch.zeros_like(input_ids[:, :1])], dim=1)
             predicted = self.mtp(hidden, self.model.embed(next_ids), step)
             mtp_logits = self.tied_logits(predicted[:, keep])
