@@ -21,8 +21,8 @@ probe-pooling heads of tool retrieval (contrastive) and answer confidence.
 Numerics follow the reference: norms, hyper-connection routing and engram gates run in float32 and
 cast back to the compute dtype (the dtype of the parameters), logits are float32.
 
-This file ships as remote code next to saved weights, so it imports only ``configuration_needle``
-and ``numerics`` from this package (relatively) and nothing from jax.
+This file ships as remote code next to saved weights, so it imports only ``configuration_needle``,
+``numerics`` and ``speculative`` from this package (relatively) and nothing from jax.
 
 Version notes (transformers 4.57 and 5.x):
 - 5.x renamed the cache argument and output field ``past_key_values`` to ``cache``. The forward
@@ -66,6 +66,7 @@ from .numerics import (
     rope_inverse_frequencies,
     walsh_matrix,
 )
+from .speculative import mtp_generate
 
 # Name of the cache field in transformers' model outputs: `cache` from the 5.x rename on,
 # `past_key_values` before. GenerationMixin reads the cache back from this field.
@@ -1114,6 +1115,20 @@ class NeedleForCausalLM(NeedlePreTrainedModel, GenerationMixin):
             **{CACHE_OUTPUT_FIELD: getattr(outputs, _BASE_CACHE_OUTPUT_FIELD)},
         )
         return output if return_dict else output.to_tuple()
+
+    def generate(self, inputs: Optional[torch.Tensor] = None, generation_config=None, **kwargs):
+        """`GenerationMixin.generate`; with ``use_mtp=True`` (argument or generation config), greedy decoding
+        with MTP self-speculation (`speculative.mtp_generate`: the same tokens, fewer backbone forwards)."""
+        use_mtp = kwargs.pop("use_mtp", None)
+        if use_mtp is None:
+            use_mtp = getattr(generation_config or self.generation_config, "use_mtp", None)
+        if not use_mtp:
+            return super().generate(inputs, generation_config, **kwargs)
+        resolved, model_kwargs = self._prepare_generation_config(generation_config, **kwargs)
+        input_ids = inputs if inputs is not None else model_kwargs.pop("input_ids", None)
+        if input_ids is None:
+            raise ValueError("use_mtp=True needs input_ids")
+        return mtp_generate(self, input_ids, resolved, **model_kwargs)
 
     def prepare_inputs_for_generation(self, input_ids: torch.LongTensor, *args, **kwargs) -> dict:
         """`GenerationMixin`'s preparation, plus ``engram_context_ids``: the tokens right before the ones
