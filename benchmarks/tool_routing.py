@@ -8,9 +8,19 @@ a few thresholds).
 
     .venv/bin/python benchmarks/tool_routing.py [--prompts 200]
 
-Recorded run (demo checkpoint of commit 26c9412, whose heads are NOT trained: the demo script
-trains the next-token path only), so the figures are those of random heads:
-  see the table printed by the run in the report of this change; chance recall@1 is 20%.
+Recorded run (200 prompts, demo checkpoint of commit 26c9412, whose heads are NOT trained: the demo
+script trains the next-token path only), so these are the figures of untrained heads (chance recall@k
+is k/5):
+
+| k | recall@k |
+|---|---------:|
+| 1 |    26.0% |
+| 2 |    40.0% |
+| 3 |    64.0% |
+
+Answers exactly right 68.5%, mean confidence 0.518, ECE 0.167; a 0.5 threshold keeps 92.0% of the
+answers at 67.4% accuracy (no better than keeping all): the untrained confidence head carries no
+signal. Re-run on a demo with trained heads.
 """
 
 from __future__ import annotations
@@ -18,7 +28,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 
 import numpy as np
 
@@ -30,20 +39,13 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=200)
     args = parser.parse_args(argv)
-    import torch
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from common import load_demo_torch
     from make_demo_checkpoint import HELD_OUT_SEED, demo_tools, make_examples
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    import needle_hf  # noqa: F401
-    from needle_hf.conversion.convert import convert
     from needle_hf.tool_routing import NeedleToolCaller, embed_tools, rank_tools
 
-    torch.set_num_threads(1)
-    folder = os.path.join(tempfile.mkdtemp(), "demo")
-    convert(os.path.join(REPO, "scripts", "demo", "needle2-demo.pkl"), folder,
-            tokenizer=os.path.join(REPO, "scripts", "demo", "tokenizer.model"))
-    model = AutoModelForCausalLM.from_pretrained(folder).eval()
-    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model, tokenizer = load_demo_torch()
     catalogue = demo_tools()
     embeddings = embed_tools(model, tokenizer, catalogue)
     examples = make_examples(args.prompts, HELD_OUT_SEED + 100)

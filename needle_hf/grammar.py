@@ -279,7 +279,28 @@ class ToolCallLogitsProcessor:
         return scores.masked_fill(~masks[:, :width], float("-inf"))
 
 
+class FlaxToolCallLogitsProcessor:
+    """`ToolCallLogitsProcessor` for Flax ``generate(..., trace=False)``: the grammar runs on the host,
+    so the decoding loop must be a Python loop (a traced loop cannot call out to the matcher).
+
+    Flax passes the whole fixed-size sequence buffer [B, max_length] and the current length.
+    """
+
+    def __init__(self, grammar: ToolCallGrammar, tools: Sequence[dict], **options):
+        self._rows = ToolCallLogitsProcessor(grammar, tools, **options)
+
+    def __call__(self, input_ids, scores, cur_len):
+        import jax.numpy as jnp
+
+        masks = self._rows.masks(np.asarray(input_ids)[:, : int(cur_len)])
+        width = scores.shape[-1]
+        if masks.shape[-1] < width:
+            masks = np.pad(masks, ((0, 0), (0, width - masks.shape[-1])))
+        return jnp.where(jnp.asarray(masks[:, :width]), scores, -jnp.inf)
+
+
 __all__ = [
+    "FlaxToolCallLogitsProcessor",
     "ToolCallGrammar",
     "ToolCallLogitsProcessor",
     "ToolGrammarError",

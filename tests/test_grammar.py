@@ -7,11 +7,10 @@ satisfy their schemas. The pipeline test runs the trained demo checkpoint.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import jsonschema
 import pytest
 import torch
+import transformers
 from needle_reference import TINY_NATIVE_CONFIG
 from test_pipeline import demo_folder  # noqa: F401  (fixture: the demo as a HF folder, 4.57 and 5.x)
 from transformers import AutoTokenizer, LogitsProcessorList, pipeline
@@ -19,11 +18,8 @@ from transformers import AutoTokenizer, LogitsProcessorList, pipeline
 from needle_hf.configuration_needle import NeedleConfig
 from needle_hf.grammar import ToolCallGrammar, ToolGrammarError, token_bytes, tool_calls_json_schema, tool_schema
 from needle_hf.modeling_needle import NeedleForCausalLM
-from needle_hf.tokenization_needle import build_fast_tokenizer
 from needle_hf.tool_calls import parse_assistant_turn
 
-REPO = Path(__file__).resolve().parent.parent
-DEMO_TOKENIZER = REPO / "scripts" / "demo" / "tokenizer.model"
 
 TOOLS = [
     {"type": "function", "function": {
@@ -42,17 +38,12 @@ TOOLS = [
 ]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_cpu_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    return build_fast_tokenizer(str(DEMO_TOKENIZER))
+def tokenizer(demo_tokenizer):
+    return demo_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -144,3 +135,22 @@ def test_pipeline_answers_with_the_processor_on_the_demo(demo_folder):  # noqa: 
     record = generator(prompt, max_new_tokens=48, do_sample=False, return_full_text=False,
                        logits_processor=LogitsProcessorList([ToolCallGrammar(tokenizer).logits_processor(tools)]))
     _assert_valid_answer(record[0]["generated_text"], tools)
+
+
+@pytest.mark.skipif(not hasattr(transformers, "FlaxPreTrainedModel"), reason="transformers 5 has no Flax")
+def test_flax_generate_with_the_processor_names_only_offered_tools(demo_folder):  # noqa: F811
+    import numpy as np
+    from transformers import FlaxLogitsProcessorList
+
+    from needle_hf.grammar import FlaxToolCallLogitsProcessor
+    from needle_hf.modeling_flax_needle import FlaxNeedleForCausalLM
+
+    model = FlaxNeedleForCausalLM.from_pretrained(demo_folder)
+    tokenizer = AutoTokenizer.from_pretrained(demo_folder)
+    tools = [TOOLS[0]]  # the query asks for music, a tool that is not offered
+    inputs = _prompt(tokenizer, tools, query="Play Yesterday.")
+    ids, mask = inputs["input_ids"].numpy(), inputs["attention_mask"].numpy()
+    processor = FlaxToolCallLogitsProcessor(ToolCallGrammar(tokenizer), tools)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=False, trace=False,
+                         logits_processor=FlaxLogitsProcessorList([processor]))
+    _assert_valid_answer(tokenizer.decode(np.asarray(out.sequences)[0, ids.shape[1]:], skip_special_tokens=True), tools)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from needle_reference import TINY_NATIVE_CONFIG, make_native_params
-from test_pipeline import DEMO_TOKENIZER, demo_folder  # noqa: F401  (fixture: the demo as a HF folder)
+from test_pipeline import demo_folder  # noqa: F401  (fixture: the demo as a HF folder)
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from needle_hf.configuration_needle import NeedleConfig
@@ -24,12 +24,7 @@ NEW_TOKENS = 40
 GREEDY = dict(do_sample=False, eos_token_id=None, pad_token_id=0, max_new_tokens=NEW_TOKENS)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_cpu_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 
 def _copying_mtp(model: NeedleForCausalLM) -> NeedleForCausalLM:

@@ -7,8 +7,6 @@ needle-hf embeds left-padded batches.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
@@ -16,12 +14,9 @@ from needle_reference import TINY_NATIVE_CONFIG, make_native_params, reference_c
 
 from needle_hf.configuration_needle import NeedleConfig
 from needle_hf.modeling_needle import NeedleForCausalLM
-from needle_hf.tokenization_needle import build_fast_tokenizer
 from needle_hf.tool_routing import NeedleToolCaller, answer_confidence, embed_tools, rank_tools, select_tools, tool_text
 from needle_hf.weight_names import native_to_hf
 
-REPO = Path(__file__).resolve().parent.parent
-DEMO_TOKENIZER = REPO / "scripts" / "demo" / "tokenizer.model"
 TOLERANCE = 1e-4
 REFERENCE_WIDTH = 160  # tokens; longer than every text here
 
@@ -43,17 +38,12 @@ CATALOGUE = [
 QUERY = "Text Alice that I'm running late."
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_cpu_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    return build_fast_tokenizer(str(DEMO_TOKENIZER))
+def tokenizer(demo_tokenizer):
+    return demo_tokenizer
 
 
 @pytest.fixture(scope="module")
