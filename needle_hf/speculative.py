@@ -31,8 +31,6 @@ from typing import Optional, Union
 import torch
 from transformers import DynamicCache
 
-DRAFT_LENGTH = 1  # the head predicts one token ahead of the backbone (t + 2)
-
 
 @dataclasses.dataclass
 class MTPGenerateOutput:
@@ -168,8 +166,11 @@ def mtp_generate(model, input_ids: torch.LongTensor, generation_config, **kwargs
         if bool(((verified == draft) | ~unfinished).all()):
             stats["accepted"] += 1
             append(verified)
+            generated += 1
+            if not unfinished.any():  # the verified token ended every row: generate stops here too
+                break
             append(logits[:, 1].argmax(-1))
-            generated += 2
+            generated += 1
             draft = decoder.draft(hidden, sequence[:, -2:], mask[:, :position + 2])
         else:
             decoder.crop(position + 1)  # drop the rejected draft's keys and values
