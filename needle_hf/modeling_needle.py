@@ -66,7 +66,7 @@ from .numerics import (
     rope_inverse_frequencies,
     walsh_matrix,
 )
-from .speculative import mtp_generate
+from .speculative import mtp_generate, trim_to_max_length
 
 # Name of the cache field in transformers' model outputs: `cache` from the 5.x rename on,
 # `past_key_values` before. GenerationMixin reads the cache back from this field.
@@ -1122,9 +1122,17 @@ class NeedleForCausalLM(NeedlePreTrainedModel, GenerationMixin):
         use_mtp = kwargs.pop("use_mtp", None)
         if use_mtp is None:
             use_mtp = getattr(generation_config or self.generation_config, "use_mtp", None)
-        if not use_mtp:
+        lookup = kwargs.get("prompt_lookup_num_tokens") or getattr(
+            generation_config or self.generation_config, "prompt_lookup_num_tokens", None
+        )
+        if not use_mtp and not lookup:
             return super().generate(inputs, generation_config, **kwargs)
         resolved, model_kwargs = self._prepare_generation_config(generation_config, **kwargs)
+        if not use_mtp:  # prompt lookup: 4.57 can overshoot the length limit, see `trim_to_max_length`
+            output = super().generate(inputs, generation_config, **kwargs)
+            prompt = inputs if inputs is not None else kwargs["input_ids"]
+            limit = resolved.max_length if resolved.max_new_tokens is None else prompt.shape[1] + resolved.max_new_tokens
+            return trim_to_max_length(output, limit)
         input_ids = inputs if inputs is not None else model_kwargs.pop("input_ids", None)
         if input_ids is None:
             raise ValueError("use_mtp=True needs input_ids")

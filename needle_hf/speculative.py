@@ -182,4 +182,19 @@ def mtp_generate(model, input_ids: torch.LongTensor, generation_config, **kwargs
     return sequence
 
 
-__all__ = ["MTPGenerateOutput", "mtp_generate"]
+def trim_to_max_length(output, max_length: int):
+    """Cut a `generate` result back to ``max_length`` positions: transformers 4.57's prompt lookup can
+    accept candidate tokens past the length limit (5.x stops at it), which no other decoding writes."""
+    if isinstance(output, torch.Tensor):
+        return output[:, :max_length]
+    if getattr(output, "sequences", None) is not None and output.sequences.shape[1] > max_length:
+        surplus = output.sequences.shape[1] - max_length
+        output.sequences = output.sequences[:, :max_length]
+        for name in ("scores", "logits"):
+            steps = getattr(output, name, None)
+            if steps is not None:
+                setattr(output, name, steps[: len(steps) - surplus])
+    return output
+
+
+__all__ = ["MTPGenerateOutput", "mtp_generate", "trim_to_max_length"]

@@ -140,3 +140,16 @@ def test_prompt_lookup_writes_the_greedy_tokens_on_the_demo(demo_folder):  # noq
         plain = model.generate(**inputs, do_sample=False, max_new_tokens=48)
         lookup = model.generate(**inputs, do_sample=False, max_new_tokens=48, prompt_lookup_num_tokens=10)
         assert torch.equal(lookup, plain)
+
+
+def test_prompt_lookup_writes_the_greedy_tokens_up_to_the_length_limit():
+    # The random tiny model repeats one token, so every lookup candidate holds and the loop runs
+    # into max_new_tokens (transformers 4.57 alone would return a few tokens more).
+    model = _model(seed=1, copying_mtp=False)
+    ids, mask = _left_padded_batch()
+    options = {**GREEDY, "eos_token_id": 1}  # prompt lookup needs an EOS id; this model never writes it
+    plain = model.generate(ids[:1], **options)
+    for output in (model.generate(ids[:1], prompt_lookup_num_tokens=4, **options),
+                   model.generate(ids[:1], prompt_lookup_num_tokens=4, return_dict_in_generate=True,
+                                  output_logits=True, **options).sequences):
+        assert torch.equal(output, plain)
