@@ -30,6 +30,23 @@ def make_base_checkpoint(folder: str, seed: int = 0, with_heads: bool = False):
     return params, dict(BASE_NATIVE_CONFIG)
 
 
+def load_demo_torch():
+    """(PyTorch model, tokenizer) of the shipped demo checkpoint, converted into a temporary folder; one torch thread."""
+    import tempfile
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import needle_hf  # noqa: F401  (registers Needle with the Auto classes)
+    from needle_hf.conversion.convert import convert
+
+    torch.set_num_threads(1)
+    folder = os.path.join(tempfile.mkdtemp(), "demo")
+    convert(os.path.join(REPO, "scripts", "demo", "needle2-demo.pkl"), folder,
+            tokenizer=os.path.join(REPO, "scripts", "demo", "tokenizer.model"))
+    return AutoModelForCausalLM.from_pretrained(folder).eval(), AutoTokenizer.from_pretrained(folder)
+
+
 def median_seconds(fn, repeats: int) -> float:
     """Median wall time of `fn()` over `repeats` calls (fn must block until its result is ready)."""
     times = []

@@ -145,6 +145,10 @@ class NeedleConfig(PretrainedConfig):
             confidence head.
         kv_window (`int`, *optional*, defaults to 0): Sliding KV window the model was trained for
             (metadata for deployment exports; the HF models attend to the whole context).
+        attention_window (`int`, *optional*, defaults to 0): Sliding attention window the HF models
+            apply: 0 attends to the whole context (default, as the reference's forward); ``n > 0``
+            lets each token see only the last ``n`` positions, as the engine decodes with its KV
+            window (`needle_hf.kv_window.engine_kv_window` gives the window the engine derives).
         kv_bits (`int`, *optional*, defaults to 8): KV-cache width of deployment exports (metadata).
         act_bits (`int`, *optional*, defaults to 8): Activation width of deployment exports (metadata).
         weight_bits (`str`, *optional*, defaults to `""`): Mixed-precision weight map of deployment
@@ -181,6 +185,7 @@ class NeedleConfig(PretrainedConfig):
         use_contrastive_head=False,
         use_confidence_head=False,
         kv_window=0,
+        attention_window=0,
         kv_bits=8,
         act_bits=8,
         weight_bits="",
@@ -211,6 +216,7 @@ class NeedleConfig(PretrainedConfig):
         self.use_contrastive_head = _flag("use_contrastive_head", use_contrastive_head)
         self.use_confidence_head = _flag("use_confidence_head", use_confidence_head)
         self.kv_window = _integer("kv_window", kv_window, minimum=0)
+        self.attention_window = _integer("attention_window", attention_window, minimum=0)
         self.kv_bits = _integer("kv_bits", kv_bits, minimum=1)
         self.act_bits = _integer("act_bits", act_bits, minimum=1)
         if weight_bits is not None and not isinstance(weight_bits, str):

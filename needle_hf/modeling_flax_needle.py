@@ -188,8 +188,11 @@ def engram_hash_indices(tokens: jnp.ndarray, orders, num_heads: int, slots: int)
     return jnp.stack(rows, axis=-1)
 
 
-def attention_allowed(key_visible: jnp.ndarray, past_length, query_length: int) -> jnp.ndarray:
+def attention_allowed(key_visible: jnp.ndarray, past_length, query_length: int, *, window: int = 0) -> jnp.ndarray:
     """Boolean attention mask [B, T, S]: causal, restricted to visible keys, and always the query itself.
+
+    With ``window = n > 0`` a query sees only the last ``n`` key slots (`config.attention_window`,
+    see `kv_window.py`).
 
     key_visible [B, S] (True = real token; S = cache length when decoding); the T queries sit at
     positions past_length .. past_length + T - 1 (past_length may be traced). A query attending to
@@ -198,6 +201,8 @@ def attention_allowed(key_visible: jnp.ndarray, past_length, query_length: int) 
     query_positions = past_length + jnp.arange(query_length)  # [T]
     key_positions = jnp.arange(key_visible.shape[1])  # [S]
     causal = key_positions[None, :] <= query_positions[:, None]  # [T, S]
+    if window > 0:
+        causal = causal & (query_positions[:, None] - key_positions[None, :] < window)
     itself = key_positions[None, :] == query_positions[:, None]  # [T, S]
     return (causal[None] & key_visible.astype(jnp.bool_)[:, None, :]) | itself[None]
 
@@ -716,7 +721,8 @@ class FlaxNeedleModule(nn.Module):
         cfg = self.config
         b, t = input_ids.shape
         cache_index, _, context_tokens, context_valid = self.decode_state(input_ids, attention_mask, init_cache=init_cache)
-        key_mask = attention_allowed(attention_mask, 0 if cache_index is None else cache_index, t)
+        key_mask = attention_allowed(attention_mask, 0 if cache_index is None else cache_index, t,
+                                     window=self.config.attention_window)
         cos, sin = rope_tables(position_ids, cfg.head_dim, cfg.rope_theta)
 
         x0 = self.embed(input_ids)  # [B, T, D], parameter dtype
@@ -841,7 +847,7 @@ class FlaxNeedleForCausalLMModule(nn.Module):
         cfg = self.config
         next_ids = jnp.pad(input_ids[:, 1:], ((0, 0), (0, 1)))
         cos, sin = rope_tables(position_ids, cfg.head_dim, cfg.rope_theta)
-        key_mask = attention_allowed(attention_mask, 0, input_ids.shape[1])
+        key_mask = attention_allowed(attention_mask, 0, input_ids.shape[1], window=self.config.attention_window)
         return self.logits(self.mtp(hidden, self.model.embed(next_ids), cos, sin, key_mask))
 
     def _touch_heads(self, input_ids):

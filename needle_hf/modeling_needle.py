@@ -21,8 +21,8 @@ probe-pooling heads of tool retrieval (contrastive) and answer confidence.
 Numerics follow the reference: norms, hyper-connection routing and engram gates run in float32 and
 cast back to the compute dtype (the dtype of the parameters), logits are float32.
 
-This file ships as remote code next to saved weights, so it imports only ``configuration_needle``
-and ``numerics`` from this package (relatively) and nothing from jax.
+This file ships as remote code next to saved weights, so it imports only ``configuration_needle``,
+``numerics`` and ``speculative`` from this package (relatively) and nothing from jax.
 
 Version notes (transformers 4.57 and 5.x):
 - 5.x renamed the cache argument and output field ``past_key_values`` to ``cache``. The forward
@@ -69,6 +69,7 @@ from .numerics import (
     rope_inverse_frequencies,
     walsh_matrix,
 )
+from .speculative import mtp_generate, trim_to_max_length
 
 # Name of the cache field in transformers' model outputs: `cache` from the 5.x rename on,
 # `past_key_values` before. GenerationMixin reads the cache back from this field.
@@ -206,8 +207,12 @@ def engram_hash_indices(tokens: torch.Tensor, orders, num_heads: int, slots: int
     return acc % slots
 
 
-def attention_allowed(key_visible: torch.Tensor, past_length: int, query_length: int, group: int) -> torch.Tensor:
-    """Boolean attention mask [B, 1, group * S, K]: causal, restricted to visible keys, and always the query itself.
+def attention_allowed(
+    key_visible: torch.Tensor, past_length: int, query_length: int, group: int, *, window: int = 0
+) -> torch.Tensor:
+    """Boolean attention mask [B, 1, group * S, K]: causal, restricted to visible keys (and, with
+    ``window > 0``, to the last ``window`` key slots: the engine's sliding KV window, see `kv_window.py`),
+    and always the query itself.
 
     key_visible: [B, K] (K = past + S, or the length of a static cache); past_length may be a 0-d tensor.
     A query attending to itself keeps padding rows (which see no visible key) finite and independent
@@ -219,6 +224,8 @@ def attention_allowed(key_visible: torch.Tensor, past_length: int, query_length:
     key_positions = torch.arange(key_visible.shape[1], device=device)  # [K]
     causal = key_positions[None, :] <= query_positions[:, None]  # [S, K]
     itself = key_positions[None, :] == query_positions[:, None]  # [S, K]
+    if window > 0:
+        causal = causal & (query_positions[:, None] - key_positions[None, :] < window)
     allowed = (causal[None] & key_visible[:, None, :]) | itself[None]  # [B, S, K]
     return (allowed.repeat(1, group, 1) if group > 1 else allowed)[:, None]  # [B, 1, group * S, K]
 
@@ -334,7 +341,7 @@ class NeedleAttention(nn.Module):
     def __init__(self, config: NeedleConfig, layer_idx: Optional[int]):
         super().__init__()
         self.config = config
-        self.layer_idx = layer_idx  # index into the KV cache; None for the (uncached) MTP block
+        self.layer_idx = layer_idx  # index into the KV cache (the MTP block: into its own cache)
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
@@ -582,12 +589,16 @@ class NeedleMultiTokenPrediction(nn.Module):
         self.combine_proj = nn.Linear(2 * d, d, bias=False)
         self.embed_norm = NeedleRMSNorm(d, config.rms_norm_eps)
         self.norm = NeedleRMSNorm(d, config.rms_norm_eps)
-        self.block = NeedleBlock(config, layer_idx=None)
+        # Layer 0 of the MTP's own cache when it drafts while decoding (`speculative.py`); uncached otherwise.
+        self.block = NeedleBlock(config, layer_idx=0)
 
-    def forward(self, hidden: torch.Tensor, next_embedded: torch.Tensor, step: NeedleStepInputs) -> torch.Tensor:
-        """hidden: [B, S, d] final-normed backbone output; next_embedded: [B, S, d] float32 ``E[t+1] * sqrt(d)``."""
+    def forward(
+        self, hidden: torch.Tensor, next_embedded: torch.Tensor, step: NeedleStepInputs, cache: Optional[Cache] = None
+    ) -> torch.Tensor:
+        """hidden: [B, S, d] final-normed backbone output; next_embedded: [B, S, d] float32 ``E[t+1] * sqrt(d)``;
+        cache: the MTP block's own one-layer cache of the positions before these (None: the whole text)."""
         combined = torch.cat([hidden, self.embed_norm(next_embedded).to(hidden.dtype)], dim=-1)
-        return self.norm(self.block(self.combine_proj(combined), step))
+        return self.norm(self.block.block(self.combine_proj(combined), step, cache=cache)[0])
 
 
 def probe_pool(cells: torch.Tensor, keep: torch.Tensor, probes: torch.Tensor) -> torch.Tensor:
@@ -1023,9 +1034,12 @@ class NeedleModel(NeedlePreTrainedModel):
         key_length: int,
         attention_mask: Optional[torch.Tensor],
         position_ids: Optional[torch.Tensor],
+        *,
+        attention_window: int = 0,
     ) -> NeedleStepInputs:
         """Masks, RoPE tables and constants of a forward call over ``length`` new tokens at ``cache_position``
-        [S], attending over ``key_length`` keys (past + S, or a static cache's length)."""
+        [S], attending over ``key_length`` keys (past + S, or a static cache's length);
+        ``attention_window``: see `attention_allowed`."""
         device, dtype = self.embed_tokens.weight.device, self.embed_tokens.weight.dtype
         past_length = cache_position[0]
         if attention_mask is None:
@@ -1048,7 +1062,7 @@ class NeedleModel(NeedlePreTrainedModel):
         inverse_frequencies = self.constant("rope_inverse_frequencies", device, torch.float32)
         angles = position_ids.to(device).float()[..., None] * inverse_frequencies  # [B, S, hd/2]
         angles = torch.cat([angles, angles], dim=-1)[:, None]  # [B, 1, S, hd], see `apply_rotary`
-        allowed = attention_allowed(key_visible, past_length, length, group=1)  # [B, 1, S, K]
+        allowed = attention_allowed(key_visible, past_length, length, group=1, window=attention_window)  # [B, 1, S, K]
         if self.config._attn_implementation == "flex_attention":
             attention_mask_4d = _flex_block_mask(allowed)
         else:
@@ -1127,6 +1141,7 @@ class NeedleModel(NeedlePreTrainedModel):
         output_attentions: Optional[bool] = None,
         output_hidden_states: Optional[bool] = None,
         return_dict: Optional[bool] = None,
+        attention_window: Optional[int] = None,
         cache_position: Optional[torch.LongTensor] = None,
         past_key_values: Optional[Cache] = None,
     ) -> Union[BaseModelOutputWithPast, tuple]:
@@ -1143,6 +1158,8 @@ class NeedleModel(NeedlePreTrainedModel):
             output_hidden_states: return ``(x0, lane mean after layer 1, ..., after layer L)``; the
                 final-normed output is ``last_hidden_state``.
             output_attentions: return each layer's attention probabilities (eager attention only).
+            attention_window: attend to the last ``n`` key slots only (0: all); default
+                ``config.attention_window`` (0, full attention). `generate(attention_window=n)` passes it.
         """
         cache = _merge_cache_arguments(past_key_values, cache)
         use_cache = _config_default(use_cache, self.config, "use_cache", True)
@@ -1176,7 +1193,9 @@ class NeedleModel(NeedlePreTrainedModel):
                     f"attention_mask must cover the cached and the new tokens: expected shape {(batch, key_length)}, "
                     f"got {tuple(attention_mask.shape)}"
                 )
-        step = self.step_inputs(batch, length, cache_position, key_length, attention_mask, position_ids)
+        window = self.config.attention_window if attention_window is None else int(attention_window)
+        step = self.step_inputs(batch, length, cache_position, key_length, attention_mask, position_ids,
+                                attention_window=window)
         dtype = self.embed_tokens.weight.dtype
 
         x0 = self.embed(input_ids).to(dtype)  # [B, S, d]
@@ -1265,6 +1284,7 @@ class NeedleForCausalLM(NeedlePreTrainedModel, GenerationMixin):
         cache_position: Optional[torch.LongTensor] = None,
         logits_to_keep: Union[int, torch.Tensor] = 0,
         return_mtp_logits: bool = False,
+        attention_window: Optional[int] = None,
         num_items_in_batch: Optional[Union[int, torch.Tensor]] = None,
         shift_labels: Optional[torch.LongTensor] = None,
         past_key_values: Optional[Cache] = None,
@@ -1299,6 +1319,7 @@ class NeedleForCausalLM(NeedlePreTrainedModel, GenerationMixin):
             output_hidden_states=output_hidden_states,
             return_dict=True,
             cache_position=cache_position,
+            attention_window=attention_window,
         )
         hidden = outputs.last_hidden_state
         keep = _positions_to_keep(logits_to_keep)
@@ -1308,7 +1329,9 @@ class NeedleForCausalLM(NeedlePreTrainedModel, GenerationMixin):
         if return_mtp_logits:
             batch, length = input_ids.shape
             positions = torch.arange(length, device=input_ids.device)
-            step = self.model.step_inputs(batch, length, positions, length, attention_mask, position_ids)
+            window = self.config.attention_window if attention_window is None else int(attention_window)
+            step = self.model.step_inputs(batch, length, positions, length, attention_mask, position_ids,
+                                          attention_window=window)
             next_ids = torch.cat([input_ids[:, 1:], torch.zeros_like(input_ids[:, :1])], dim=1)
             predicted = self.mtp(hidden, self.model.embed(next_ids), step)
             mtp_logits = self.tied_logits(predicted[:, keep])
@@ -1335,8 +1358,10 @@ class NeedleForCausalLM(NeedlePreTrainedModel, GenerationMixin):
         )
         return output if return_dict else output.to_tuple()
 
-    def generate(self, *args, **kwargs):
-        """`GenerationMixin.generate`, on one intra-op thread on the CPU unless the user chose a count.
+    def generate(self, inputs: Optional[torch.Tensor] = None, generation_config=None, **kwargs):
+        """`GenerationMixin.generate` (with ``use_mtp=True``, argument or generation config: greedy decoding
+        with MTP self-speculation, `speculative.mtp_generate`: the same tokens, fewer backbone forwards),
+        on one intra-op thread on the CPU unless the user chose a count.
 
         A decoding step is thousands of small ops; with several OpenMP threads each op that opens a
         parallel region waits for every thread to be scheduled, which on a loaded machine made
@@ -1345,13 +1370,33 @@ class NeedleForCausalLM(NeedlePreTrainedModel, GenerationMixin):
         ``OMP_NUM_THREADS`` is left alone; the previous count is restored afterwards either way.
         """
         if self.device.type != "cpu" or _threads_chosen_by_user():
-            return super().generate(*args, **kwargs)
+            return self._generate_with_drafts(inputs, generation_config, **kwargs)
         previous = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
-            return super().generate(*args, **kwargs)
+            return self._generate_with_drafts(inputs, generation_config, **kwargs)
         finally:
             torch.set_num_threads(previous)
+
+    def _generate_with_drafts(self, inputs, generation_config, **kwargs):
+        use_mtp = kwargs.pop("use_mtp", None)
+        if use_mtp is None:
+            use_mtp = getattr(generation_config or self.generation_config, "use_mtp", None)
+        lookup = kwargs.get("prompt_lookup_num_tokens") or getattr(
+            generation_config or self.generation_config, "prompt_lookup_num_tokens", None
+        )
+        if not use_mtp and not lookup:
+            return super().generate(inputs, generation_config, **kwargs)
+        resolved, model_kwargs = self._prepare_generation_config(generation_config, **kwargs)
+        if not use_mtp:  # prompt lookup: 4.57 can overshoot the length limit, see `trim_to_max_length`
+            output = super().generate(inputs, generation_config, **kwargs)
+            prompt = inputs if inputs is not None else kwargs["input_ids"]
+            limit = resolved.max_length if resolved.max_new_tokens is None else prompt.shape[1] + resolved.max_new_tokens
+            return trim_to_max_length(output, limit)
+        input_ids = inputs if inputs is not None else model_kwargs.pop("input_ids", None)
+        if input_ids is None:
+            raise ValueError("use_mtp=True needs input_ids")
+        return mtp_generate(self, input_ids, resolved, **model_kwargs)
 
     def prepare_inputs_for_generation(self, input_ids: torch.LongTensor, *args, **kwargs) -> dict:
         """`GenerationMixin`'s preparation, after checking that the text fits the model's positions."""

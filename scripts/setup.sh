@@ -31,8 +31,11 @@ if [ ! -f .venv/.needle-setup-$STAMP ]; then
     pip_quiet .venv/bin/python -m pip install --upgrade pip
     pip_quiet .venv/bin/python -m pip install "$TORCH" "transformers==4.57.6" "$REFERENCE" \
         "jax>=0.4.30" "flax>=0.10" "huggingface_hub<1.0" pytest psutil sentencepiece "${ONNX[@]}"
-    pip_quiet .venv/bin/python -m pip install -e ".[flax,torch,test,finetune]" "$TORCH" "transformers==4.57.6" \
+    pip_quiet .venv/bin/python -m pip install -e ".[flax,torch,grammar,test,finetune]" "$TORCH" "transformers==4.57.6" \
         "huggingface_hub<1.0" "datasets==5.0.1" $FINETUNE
+    # xgrammar only for benchmarks/grammar.py; without its deps, which would add triton beside CPU torch.
+    pip_quiet .venv/bin/python -m pip install --no-deps "xgrammar==0.2.9"
+    pip_quiet .venv/bin/python -m pip install "apache-tvm-ffi==0.1.15.post2" "pydantic>=2" "$TORCH" "transformers==4.57.6"
     rm -f .venv/.needle-setup-*
     touch .venv/.needle-setup-$STAMP
 fi
@@ -43,7 +46,8 @@ if [ ! -f .venv-v5/.needle-setup-$STAMP ]; then
     pip_quiet .venv-v5/bin/python -m pip install --upgrade pip
     pip_quiet .venv-v5/bin/python -m pip install "$TORCH" "transformers>=5,<6" "huggingface_hub>=1.0" \
         safetensors tokenizers sentencepiece protobuf jinja2 numpy pytest psutil "$REFERENCE" \
-        "datasets==5.2.0" $FINETUNE
+        "datasets==5.2.0" $FINETUNE \
+        "llguidance==1.9.1" "jsonschema>=4.20"
     rm -f .venv-v5/.needle-setup-*
     touch .venv-v5/.needle-setup-$STAMP
 fi

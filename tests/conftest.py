@@ -17,3 +17,23 @@ from spm_fixture import FIXTURE_VOCAB_SIZE, train_needle_spm  # noqa: E402
 def needle_spm_model(tmp_path_factory):
     """Path of a Needle-style SentencePiece model (FIXTURE_VOCAB_SIZE pieces), trained once per session."""
     return train_needle_spm(tmp_path_factory.mktemp("needle_spm"), vocab_size=FIXTURE_VOCAB_SIZE)
+
+
+@pytest.fixture(scope="module")
+def one_cpu_thread():
+    """On a small shared CPU, OpenMP's thread wake-ups cost more than tiny matmuls: torch on one thread."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="session")
+def demo_tokenizer():
+    """The shipped demo tokenizer (scripts/demo/tokenizer.model, 800 pieces) as a fast tokenizer."""
+    from needle_hf.tokenization_needle import build_fast_tokenizer
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return build_fast_tokenizer(os.path.join(repo, "scripts", "demo", "tokenizer.model"))

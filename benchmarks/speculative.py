@@ -1,0 +1,166 @@
+"""Decoding with drafts (PyTorch, greedy, batch 1): MTP self-speculation and prompt lookup vs plain.
+
+Rows: plain `generate`, `generate(use_mtp=True)` (the MTP head drafts t+2, the backbone verifies),
+`generate(prompt_lookup_num_tokens=10)` (transformers' n-gram lookup in the prompt). Workloads: held-out
+demo prompts (`scripts/make_demo_checkpoint.py`), and the Needle 2 geometry with random weights
+(a 64-token random prompt, 64 new tokens). Every row must write the plain tokens (checked). Reports
+tokens/s, the speed-up, and for MTP the acceptance rate (drafts kept / drafts made) and the tokens
+per backbone forward.
+
+    .venv/bin/python benchmarks/speculative.py [--prompts 30] [--skip-base]
+
+The demo checkpoint's MTP head is not trained (the demo script trains the next-token path only), so
+the run also fits that head alone on the demo's training data (`train_mtp_head`, backbone frozen)
+and measures again. Every row wrote exactly the plain greedy tokens in every run.
+
+Recorded runs (transformers 4.57, one torch thread, on 2 CPU cores shared with other jobs: load
+average 12-14, so tokens/s and speed-ups are noisy; acceptance and tokens per forward are not):
+
+| workload                                   | decoding      | speed-up | acceptance | tokens/forward |
+|--------------------------------------------|---------------|---------:|-----------:|---------------:|
+| demo, MTP head as shipped (untrained)      | use_mtp       |    0.71x |       0.8% |           1.04 |
+| demo, MTP head as shipped (untrained)      | prompt lookup |    1.35x |          - |              - |
+| demo, MTP head trained here (150 steps)    | use_mtp       |    1.33x |      72.2% |           1.75 |
+| demo, MTP head trained here (150 steps)    | prompt lookup |    1.44x |          - |              - |
+| Needle 2 geometry, random weights          | use_mtp       |    0.94x |       0.0% |           1.00 |
+| Needle 2 geometry, random weights          | prompt lookup |    6.83x |          - |              - |
+
+(The random Needle 2 model repeats one token, which prompt lookup finds in its own output.) The MTP
+step's cost over plain decoding is the second token of the backbone forward plus the one-block MTP
+forward, so the speed-up approaches tokens/forward as the backbone dominates.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "scripts"))
+sys.path.insert(0, os.path.join(REPO, "tests"))
+
+
+def run_rows(model, prompts, new_tokens):
+    """{row: (seconds, generated tokens, drafted, accepted, forwards)} over `prompts` ([1, T] inputs)."""
+    import torch
+
+    rows = {"plain": {}, "use_mtp": {"use_mtp": True, "return_dict_in_generate": True},
+            "prompt lookup": {"prompt_lookup_num_tokens": 10}}
+    results = {}
+    reference = []
+    for name, options in rows.items():
+        seconds = tokens = drafted = accepted = forwards = 0
+        for i, inputs in enumerate(prompts):
+            model.generate(**inputs, do_sample=False, max_new_tokens=2, **options)  # warm the shapes
+            began = time.perf_counter()
+            with torch.no_grad():
+                out = model.generate(**inputs, do_sample=False, max_new_tokens=new_tokens, **options)
+            seconds += time.perf_counter() - began
+            sequences = out.sequences if hasattr(out, "drafted") else out
+            # transformers 4.57's prompt lookup can overshoot max_new_tokens by a few tokens; compare the budget.
+            sequences = sequences[:, : inputs["input_ids"].shape[1] + new_tokens]
+            if name == "plain":
+                reference.append(sequences)
+            elif not torch.equal(sequences, reference[i]):
+                raise AssertionError(f"{name} changed the greedy tokens of prompt {i}")
+            tokens += sequences.shape[1] - inputs["input_ids"].shape[1]
+            if hasattr(out, "drafted"):
+                drafted, accepted, forwards = drafted + out.drafted, accepted + out.accepted, forwards + out.forwards
+        results[name] = (seconds, tokens, drafted, accepted, forwards)
+    return results
+
+
+def train_mtp_head(model, tokenizer, *, steps: int, batch: int = 16, seed: int = 0):
+    """Fit only the MTP head of ``model`` on the demo's training data (backbone frozen), in place.
+
+    The demo script trains the next-token path alone, so its MTP head drafts at chance. This gives
+    the head what a trained Needle has: the same data, the MTP loss (token t + 2) on the answer.
+    """
+    import torch
+    from make_demo_checkpoint import DATA_SEED, TRAIN_EXAMPLES, make_examples
+
+    texts = []
+    for example in make_examples(TRAIN_EXAMPLES // 3, DATA_SEED):
+        calls = [{"type": "function", "function": call} for call in example["answers"]]
+        texts.append(tokenizer.apply_chat_template(
+            [{"role": "user", "content": example["query"]}, {"role": "assistant", "tool_calls": calls}],
+            tools=example["tools"], tokenize=False))
+    encoded = tokenizer(texts, return_tensors="pt", add_special_tokens=False, padding=True)
+    for parameter in model.parameters():
+        parameter.requires_grad_(False)
+    head = list(model.mtp.parameters())
+    for parameter in head:
+        parameter.requires_grad_(True)
+    optimizer = torch.optim.AdamW(head, lr=3e-3)
+    rng = np.random.default_rng(seed)
+    for _ in range(steps):
+        rows = torch.from_numpy(rng.choice(len(texts), batch, replace=False))
+        ids, mask = encoded["input_ids"][rows], encoded["attention_mask"][rows]
+        out = model(ids, attention_mask=mask, return_mtp_logits=True, use_cache=False)
+        target = ids[:, 2:].masked_fill(mask[:, 2:] == 0, -100)
+        loss = torch.nn.functional.cross_entropy(out.mtp_logits[:, :-2].reshape(-1, out.mtp_logits.shape[-1]),
+                                                 target.reshape(-1), ignore_index=-100)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    for parameter in head:
+        parameter.requires_grad_(False)
+    return float(loss.detach())
+
+
+def report(title, results):
+    print(f"\n{title}")
+    print("| decoding | tokens/s | speed-up | acceptance | tokens per forward |")
+    print("|---|---|---|---|---|")
+    base = results["plain"][1] / results["plain"][0]
+    for name, (seconds, tokens, drafted, accepted, forwards) in results.items():
+        rate = tokens / seconds
+        extra = (f"{accepted / drafted:.1%} | {(tokens) / max(forwards + 1, 1) * 1.0:.2f}" if drafted else "- | -")
+        print(f"| {name} | {rate:.1f} | {rate / base:.2f}x | {extra} |")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompts", type=int, default=30)
+    parser.add_argument("--skip-base", action="store_true")
+    parser.add_argument("--skip-demo", action="store_true")
+    parser.add_argument("--mtp-steps", type=int, default=300, help="steps of MTP-head training on the demo data")
+    args = parser.parse_args(argv)
+    import torch
+    from common import load_demo_torch
+    from make_demo_checkpoint import HELD_OUT_SEED, make_examples
+    from transformers import AutoModelForCausalLM
+
+    model, tokenizer = load_demo_torch()
+    prompts = []
+    for example in make_examples(args.prompts, HELD_OUT_SEED + 100):
+        text = tokenizer.apply_chat_template([{"role": "user", "content": example["query"]}], tools=example["tools"],
+                                             add_generation_prompt=True, tokenize=False)
+        prompts.append(tokenizer(text, return_tensors="pt", add_special_tokens=False))
+    if not args.skip_demo:
+        report(f"demo: {len(prompts)} held-out prompts, up to 48 new tokens", run_rows(model, prompts, 48))
+        loss = train_mtp_head(model, tokenizer, steps=args.mtp_steps)
+        report(f"demo with its MTP head trained here ({args.mtp_steps} steps, final MTP loss {loss:.3f})",
+               run_rows(model, prompts, 48))
+
+    if not args.skip_base:
+        from common import make_base_checkpoint
+        from needle_reference import BASE_NATIVE_CONFIG
+
+        base_folder = tempfile.mkdtemp()
+        make_base_checkpoint(base_folder)
+        base = AutoModelForCausalLM.from_pretrained(base_folder).eval()
+        ids = torch.from_numpy(np.random.default_rng(0).integers(14, BASE_NATIVE_CONFIG.get("vocab_size", 8192), (1, 64)))
+        inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+        base.generation_config.eos_token_id = 1  # prompt lookup needs one; random weights rarely write it
+        base.generation_config.pad_token_id = 0
+        report("Needle 2 geometry, random weights: 64-token prompt, 64 new tokens", run_rows(base, [inputs], 64))
+
+
+if __name__ == "__main__":
+    main()
