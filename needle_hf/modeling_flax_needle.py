@@ -39,8 +39,12 @@ from flax.traverse_util import flatten_dict, unflatten_dict
 from transformers.modeling_flax_outputs import FlaxBaseModelOutput, FlaxCausalLMOutput
 from transformers.modeling_flax_utils import FlaxPreTrainedModel
 
-from . import deploy_numerics_flax
 from .configuration_needle import NeedleConfig
+from .deploy_numerics_flax import (  # deploy numerics hooks
+    quantize_activations,
+    quantize_kv,
+    training_weights,
+)
 from .weight_names import WeightMappingError, hf_weight_shapes
 from .numerics import (
     ENGRAM_HASH_PRIME,
@@ -230,7 +234,7 @@ class FlaxNeedleAttention(nn.Module):
         """x [B, T, D]; key_mask [B, T, S] (True = may attend) -> ([B, T, D], updated kv_cache)."""
         cfg = self.config
         b, t, _ = x.shape
-        x = deploy_numerics_flax.quantize_activations(x, cfg)  # deploy numerics hook
+        x = quantize_activations(x, cfg)  # deploy numerics hook
         # (Fusing these four projections into one matmul speeds a decoding step up, but the
         # concatenated kernels are an 86 MB copy per generate() call at the Needle 2 size, which
         # costs as much as it saves at 64 new tokens.)
@@ -238,7 +242,7 @@ class FlaxNeedleAttention(nn.Module):
         k = self.k_norm(self.k_proj(x).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim))  # [B, T, K, H]
         v = self.v_proj(x).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)  # [B, T, K, H]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        k, v = deploy_numerics_flax.quantize_kv(k, v, cfg)  # deploy numerics hook
+        k, v = quantize_kv(k, v, cfg)  # deploy numerics hook
         k, v = k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3)  # [B, K, H, T], [B, K, T, H]: the cache layout
         groups = cfg.num_attention_heads // cfg.num_key_value_heads
         q = q.reshape(b, t, cfg.num_key_value_heads, groups, cfg.head_dim).transpose(0, 2, 3, 1, 4)  # [B, K, G, T, H]
@@ -265,7 +269,7 @@ class FlaxNeedleAttention(nn.Module):
         out = out.transpose(0, 3, 1, 2, 4)  # [B, T, K, G, H]
         out = out.reshape(b, t, cfg.attention_dim)
         out = out * nn.sigmoid(self.gate_proj(x))
-        out = deploy_numerics_flax.quantize_activations(out, cfg)  # deploy numerics hook
+        out = quantize_activations(out, cfg)  # deploy numerics hook
         return self.o_proj(out), kv_cache
 
 
@@ -426,7 +430,7 @@ class FlaxNeedleEngram(nn.Module):
         rows = self.tables[jnp.arange(num_tables), indices]  # [B, T, tables, sub]
         rows = rows * ngram_visible[..., None]
         e = rows.reshape(b, t, num_tables * cfg.engram_sub_dim).astype(self.dtype)  # [B, T, E]
-        e = deploy_numerics_flax.quantize_activations(e, cfg)  # deploy numerics hook
+        e = quantize_activations(e, cfg)  # deploy numerics hook
         keys = self.key_proj(e)
         projected = jnp.concatenate([past_projected.astype(self.dtype), self.value_proj(e)], axis=1)  # [B, reach + T, D]
         taps = self.conv_taps.astype(self.dtype)
@@ -665,7 +669,7 @@ class FlaxNeedleMTPHead(nn.Module):
     def __call__(self, hidden, next_token_embeddings, cos, sin, key_mask):
         """hidden [B, T, D] (final-normed), next_token_embeddings [B, T, D] -> [B, T, D]."""
         combined = jnp.concatenate([hidden, self.embed_norm(next_token_embeddings)], axis=-1)
-        combined = deploy_numerics_flax.quantize_activations(combined, self.config)  # deploy numerics hook
+        combined = quantize_activations(combined, self.config)  # deploy numerics hook
         m = self.combine_proj(combined)
         return self.norm(self.block(m, cos, sin, key_mask))
 
@@ -729,7 +733,7 @@ class FlaxNeedleForCausalLMModule(nn.Module):
     def logits(self, hidden):
         """Tied output head in float32: [B, T, D] -> [B, T, V]."""
         embedding = self.model.variables["params"]["embed_tokens"]["embedding"]
-        hidden = deploy_numerics_flax.quantize_activations(hidden, self.config)  # deploy numerics hook
+        hidden = quantize_activations(hidden, self.config)  # deploy numerics hook
         return hidden.astype(jnp.float32) @ embedding.T.astype(jnp.float32)
 
     def __call__(
@@ -993,7 +997,7 @@ class FlaxNeedlePreTrainedModel(FlaxPreTrainedModel):
         return_dict = return_dict if return_dict is not None else self.config.return_dict
         input_ids, attention_mask, position_ids = self._prepare_call(input_ids, attention_mask, position_ids, past_key_values)
         variables = {"params": params or self.params}
-        variables["params"] = deploy_numerics_flax.training_weights(variables["params"], self.config, train=train)  # deploy numerics hook
+        variables["params"] = training_weights(variables["params"], self.config, train=train)  # deploy numerics hook
         kwargs = dict(output_hidden_states=output_hidden_states, return_dict=return_dict)
         if self.module_class is FlaxNeedleForCausalLMModule:
             kwargs["output_mtp_logits"] = output_mtp_logits

@@ -53,8 +53,13 @@ from transformers import DynamicCache, GenerationMixin, PreTrainedModel
 from transformers.cache_utils import Cache
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
-from . import deploy_numerics
 from .configuration_needle import NeedleConfig
+from .deploy_numerics import (  # deploy numerics hooks
+    forward_on_training_weights,
+    quantize_activations,
+    quantize_kv,
+    training_weights,
+)
 from .numerics import (
     ENGRAM_HASH_PRIME,
     ENGRAM_HASH_SHIFT,
@@ -274,7 +279,7 @@ class NeedleAttention(nn.Module):
 
     def __init__(self, config: NeedleConfig, layer_idx: Optional[int]):
         super().__init__()
-        self.config = config
+        self.config = config  # deploy numerics hook
         self.layer_idx = layer_idx  # index into the KV cache; None for the (uncached) MTP block
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -297,13 +302,13 @@ class NeedleAttention(nn.Module):
     ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """x: [B, S, d] (normed) -> ([B, S, d], attention probabilities [B, H, S, past + S] or None)."""
         batch, length, _ = x.shape
-        x = deploy_numerics.quantize_activations(x, self.config)  # deploy numerics hook
+        x = quantize_activations(x, self.config)  # deploy numerics hook
         q = self.q_proj(x).view(batch, length, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H, S, hd]
         k = self.k_proj(x).view(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, KV, S, hd]
         v = self.v_proj(x).view(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, KV, S, hd]
         q = apply_rotary(self.q_norm(q), step.cos, step.sin)
         k = apply_rotary(self.k_norm(k), step.cos, step.sin)
-        k, v = deploy_numerics.quantize_kv(k, v, self.config)  # deploy numerics hook
+        k, v = quantize_kv(k, v, self.config)  # deploy numerics hook
         if cache is not None and self.layer_idx is not None:
             k, v = cache.update(k, v, self.layer_idx)  # [B, KV, past + S, hd]
 
@@ -325,7 +330,7 @@ class NeedleAttention(nn.Module):
             probs = probs.view(batch, self.num_heads, length, -1)  # [B, H, S, past + S]
         out = out.view(batch, self.num_heads, length, self.head_dim).transpose(1, 2).reshape(batch, length, -1)
         out = out * torch.sigmoid(self.gate_proj(x))  # [B, S, attention_dim]
-        out = deploy_numerics.quantize_activations(out, self.config)  # deploy numerics hook
+        out = quantize_activations(out, self.config)  # deploy numerics hook
         return self.o_proj(out), (probs if need_weights else None)
 
 
@@ -471,7 +476,7 @@ class NeedleEngram(nn.Module):
     def __init__(self, config: NeedleConfig):
         super().__init__()
         d = config.hidden_size
-        self.config = config
+        self.config = config  # deploy numerics hook
         self.num_tables = config.engram_num_tables
         self.dilation = config.engram_conv_dilation
         self.reach = config.engram_conv_reach
@@ -502,7 +507,7 @@ class NeedleEngram(nn.Module):
         rows = self.tables[table_ids, indices]  # [B, T, tables, sub_dim]
         rows = rows * ngram_visible[..., None].to(rows.dtype)
         fetched = rows.reshape(batch, length, -1).to(dtype)  # [B, T, engram_dim]
-        fetched = deploy_numerics.quantize_activations(fetched, self.config)  # deploy numerics hook
+        fetched = quantize_activations(fetched, self.config)  # deploy numerics hook
         key = self.key_proj(fetched[:, first_output:])
         # Hidden positions contribute zero to every tap; zeros in front stand for positions before the window.
         reach = self.reach
@@ -522,7 +527,7 @@ class NeedleMultiTokenPrediction(nn.Module):
     def __init__(self, config: NeedleConfig):
         super().__init__()
         d = config.hidden_size
-        self.config = config
+        self.config = config  # deploy numerics hook
         self.combine_proj = nn.Linear(2 * d, d, bias=False)
         self.embed_norm = NeedleRMSNorm(d, config.rms_norm_eps)
         self.norm = NeedleRMSNorm(d, config.rms_norm_eps)
@@ -531,7 +536,7 @@ class NeedleMultiTokenPrediction(nn.Module):
     def forward(self, hidden: torch.Tensor, next_embedded: torch.Tensor, step: NeedleStepInputs) -> torch.Tensor:
         """hidden: [B, S, d] final-normed backbone output; next_embedded: [B, S, d] float32 ``E[t+1] * sqrt(d)``."""
         combined = torch.cat([hidden, self.embed_norm(next_embedded).to(hidden.dtype)], dim=-1)
-        combined = deploy_numerics.quantize_activations(combined, self.config)  # deploy numerics hook
+        combined = quantize_activations(combined, self.config)  # deploy numerics hook
         return self.norm(self.block(self.combine_proj(combined), step))
 
 
@@ -1025,7 +1030,7 @@ class NeedleForCausalLM(NeedlePreTrainedModel, GenerationMixin):
 
     def tied_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 ``hidden @ E.T``: [B, S, d] -> [B, S, V]."""
-        hidden = deploy_numerics.quantize_activations(hidden, self.config)  # deploy numerics hook
+        hidden = quantize_activations(hidden, self.config)  # deploy numerics hook
         return hidden.float() @ self.model.embed_tokens.weight.float().T
 
     def forward(
@@ -1056,9 +1061,9 @@ class NeedleForCausalLM(NeedlePreTrainedModel, GenerationMixin):
                 only on a forward over the whole text (empty cache).
         """
         forward_arguments = dict(locals())  # deploy numerics hook (first statement: the arguments only)
-        qat_weights = deploy_numerics.training_weights(self)  # deploy numerics hook: QAT reruns on CQ weights
+        qat_weights = training_weights(self)  # deploy numerics hook: QAT reruns on CQ weights
         if qat_weights is not None:  # deploy numerics hook
-            return deploy_numerics.forward_on_training_weights(self, qat_weights, forward_arguments)  # deploy numerics hook
+            return forward_on_training_weights(self, qat_weights, forward_arguments)  # deploy numerics hook
         cache = _merge_cache_arguments(past_key_values, cache)
         return_dict = _config_default(return_dict, self.config, "return_dict", True)
         if return_mtp_logits and self.mtp is None:
