@@ -20,10 +20,10 @@ from .numerics import (
     CQ_KV_GROUP,
     CQ_NORM_FLOOR,
     CQ_WEIGHT_GROUP,
-    KV_BITS_UNQUANTISED,
     cq_levels,
     cq_walsh_matrix,
     is_cq_weight,
+    kv_cache_bits,
     qat_weight_bits,
 )
 
@@ -87,9 +87,10 @@ def quantize_activations(x: jnp.ndarray, config: NeedleConfig) -> jnp.ndarray:
 
 def quantize_kv(keys: jnp.ndarray, values: jnp.ndarray, config: NeedleConfig) -> tuple[jnp.ndarray, jnp.ndarray]:
     """Keys and values [..., head_dim] as a `kv_bits` CQ cache holds them (unchanged at 8 bits and up)."""
-    if not config.deploy_numerics or config.kv_bits >= KV_BITS_UNQUANTISED:
+    bits = kv_cache_bits(config)
+    if bits is None:
         return keys, values
-    return cq_fake_quant(keys, config.kv_bits, CQ_KV_GROUP), cq_fake_quant(values, config.kv_bits, CQ_KV_GROUP)
+    return cq_fake_quant(keys, bits, CQ_KV_GROUP), cq_fake_quant(values, bits, CQ_KV_GROUP)
 
 
 def _hf_name(path: tuple[str, ...]) -> tuple[str, bool]:

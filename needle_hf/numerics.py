@@ -153,3 +153,10 @@ def qat_weight_bits(hf_name: str, weight_bits: str) -> int:
             f"{weight_bits!r} (a mixed-precision map) is not supported for QAT: set weight_bits to ''"
         )
     return DEFAULT_WEIGHT_BITS
+
+
+def kv_cache_bits(config) -> int | None:
+    """CQ width of the KV cache the deployed model runs with, or None when it is not quantised."""
+    if config.deploy_numerics and config.kv_bits < KV_BITS_UNQUANTISED:
+        return config.kv_bits
+    return None
