@@ -12,7 +12,8 @@ The level sets are the Lloyd-Max quantizers of a unit Gaussian for 2, 3 and 4 bi
 sqrt(group) (after the rotation a unit-norm group has entries of about that size). They are fitted
 deterministically: 400,000 samples of the legacy `RandomState(0)` Gaussian, sorted, started at
 the sample quantiles (k + 1/2) / levels, then 200 rounds of "boundaries at the midpoints, levels at
-the mean of their cell" in float64. Ternary (3 levels) uses the analytic {-c, 0, +c}, c = 1.2240064.
+the mean of their cell" in float64 (`needle_hf.numerics.gaussian_lloyd_max`, which the models'
+deployment numerics share). Ternary (3 levels) uses the analytic {-c, 0, +c}, c = 1.2240064.
 
 Every step is float32 numpy in the order written above (the same products and sums, so the same
 roundings), on arrays laid out as the reference's exporter lays them out (see `cact_writer`), so
@@ -30,42 +31,20 @@ import re
 
 import numpy as np
 
-from needle_hf.numerics import walsh_matrix
+from needle_hf.numerics import CQ_WEIGHT_GROUP, cq_levels, walsh_matrix
 
 from .cact import CODEBOOK_BITS, TERNARY_LEVEL, TERNARY_RECORD_BITS
 
-DEFAULT_GROUP = 128
+DEFAULT_GROUP = CQ_WEIGHT_GROUP
 # How bits maps and the reference spell ternary (log2(3), rounded).
 TERNARY_BITS = 1.58
 SUPPORTED_BITS = (*CODEBOOK_BITS, TERNARY_BITS)
 # Level index of a ternary code -> the 2-bit field ("crumb") stored: sign-extended, 3 0 1 read as -1 0 +1.
 _TERNARY_LEVEL_TO_CRUMB = np.array([3, 0, 1], np.uint32)
 
-# The Lloyd-Max fit (see the module docstring).
-_FIT_SAMPLES = 400_000
-_FIT_ROUNDS = 200
-_FIT_SEED = 0
-
 
 class BitsMapError(ValueError):
     """A bits-map specification that cannot be used; the message names the entry."""
-
-
-@functools.cache
-def _gaussian_lloyd_max(bits: int) -> np.ndarray:
-    """The 2**bits Lloyd-Max levels of a unit Gaussian, float64, increasing."""
-    count = 1 << bits
-    samples = np.sort(np.random.RandomState(_FIT_SEED).randn(_FIT_SAMPLES))
-    start = ((np.arange(count) + 0.5) / count * _FIT_SAMPLES).astype(int)
-    levels = samples[start].astype(np.float64)
-    for _ in range(_FIT_ROUNDS):
-        # Samples are sorted, so each cell (midpoint_{k-1}, midpoint_k] is one contiguous run.
-        edges = np.searchsorted(samples, (levels[:-1] + levels[1:]) / 2.0, side="right")
-        bounds = np.concatenate([[0], edges, [_FIT_SAMPLES]])
-        for k in range(count):
-            if bounds[k + 1] > bounds[k]:  # an empty cell keeps its level
-                levels[k] = samples[bounds[k] : bounds[k + 1]].mean()
-    return np.sort(levels)
 
 
 @functools.cache
@@ -74,7 +53,7 @@ def levels_for(bits, group: int = DEFAULT_GROUP) -> np.ndarray:
     if bits == TERNARY_BITS:
         unit = np.array([-TERNARY_LEVEL, 0.0, TERNARY_LEVEL])
     elif bits in CODEBOOK_BITS:
-        unit = _gaussian_lloyd_max(bits)
+        return cq_levels(bits, group)
     else:
         raise ValueError(f"CQ width {bits}: expected one of {SUPPORTED_BITS} ({TERNARY_BITS} = ternary)")
     return (unit / np.sqrt(group)).astype(np.float32)

@@ -149,10 +149,20 @@ class NeedleConfig(PretrainedConfig):
             apply: 0 attends to the whole context (default, as the reference's forward); ``n > 0``
             lets each token see only the last ``n`` positions, as the engine decodes with its KV
             window (`needle_hf.kv_window.engine_kv_window` gives the window the engine derives).
-        kv_bits (`int`, *optional*, defaults to 8): KV-cache width of deployment exports (metadata).
-        act_bits (`int`, *optional*, defaults to 8): Activation width of deployment exports (metadata).
+        kv_bits (`int`, *optional*, defaults to 8): KV-cache width of deployment exports; below 8 the
+            engine CQ-quantises the cache (and so does `deploy_numerics`).
+        act_bits (`int`, *optional*, defaults to 8): Activation width of deployment exports (and of
+            `deploy_numerics`).
         weight_bits (`str`, *optional*, defaults to `""`): Mixed-precision weight map of deployment
             exports (metadata, kept so that a round trip back to a native checkpoint exports the same).
+        deploy_numerics (`bool`, *optional*, defaults to `False`): Compute what the Needle engine computes
+            from the `.cact` (the reference's `quant=True` forward): int8 (`act_bits`) per-row absmax
+            fake quantisation of the activations entering the attention, the attention output, the
+            engram rows, the final hidden state and the MTP inputs; a CQ-quantised KV cache (groups of
+            64) when `kv_bits` < 8; and, in training mode only (QAT), CQ fake-quantised weights
+            (`weight_bits` map, else 4 bits, groups of 128) with straight-through gradients. Evaluate
+            with it on weights dequantised from a `.cact` to see the shipped model's accuracy; train
+            with it (also through PEFT) to make the model robust to the deployed quantisation.
         initializer_range (`float`, *optional*, defaults to 0.02): Std of the normal initialiser.
         pad_token_id / bos_token_id / eos_token_id (`int`, *optional*, defaults to 0 / 2 / 1).
         tie_word_embeddings (`bool`, *optional*, defaults to `True`): Needle always ties the output head
@@ -189,6 +199,7 @@ class NeedleConfig(PretrainedConfig):
         kv_bits=8,
         act_bits=8,
         weight_bits="",
+        deploy_numerics=False,
         initializer_range=0.02,
         pad_token_id=0,
         bos_token_id=2,
@@ -227,6 +238,7 @@ class NeedleConfig(PretrainedConfig):
             if token is not None:
                 _integer(name, token, minimum=0, maximum=self.vocab_size - 1)
         self.use_cache = _flag("use_cache", use_cache)
+        self.deploy_numerics = _flag("deploy_numerics", deploy_numerics)
         if not tie_word_embeddings:
             raise ValueError("Needle ties its output head to the token embedding: tie_word_embeddings must be True")
         super().__init__(
@@ -307,6 +319,14 @@ class NeedleConfig(PretrainedConfig):
             (
                 lambda: self.attention_dim % self.num_attention_heads == 0,
                 lambda: f"num_attention_heads ({self.num_attention_heads}) must divide attention_dim ({self.attention_dim})",
+            ),
+            (
+                lambda: not self.deploy_numerics or self.act_bits >= 2,
+                lambda: f"deploy_numerics needs act_bits >= 2 (a sign and one magnitude bit), got {self.act_bits}",
+            ),
+            (
+                lambda: not self.deploy_numerics or self.kv_bits >= 1,
+                lambda: f"deploy_numerics needs kv_bits >= 1 (8 or more keeps the cache unquantised), got {self.kv_bits}",
             ),
             (lambda: self.head_dim % 2 == 0, lambda: f"head_dim ({self.head_dim}) must be even for the half-split RoPE"),
             (lambda: self.max_position_embeddings > 0, lambda: "max_position_embeddings must be positive"),

@@ -44,6 +44,11 @@ from transformers.modeling_flax_outputs import FlaxBaseModelOutput, FlaxCausalLM
 from transformers.modeling_flax_utils import FlaxPreTrainedModel
 
 from .configuration_needle import NeedleConfig
+from .deploy_numerics_flax import (  # deploy numerics hooks
+    quantize_activations,
+    quantize_kv,
+    training_weights,
+)
 from .numerics import (
     ATTENTION_GATE_INIT,
     CONFIDENCE_PROBES,
@@ -293,6 +298,7 @@ class FlaxNeedleAttention(nn.Module):
         """
         cfg = self.config
         b, t, _ = x.shape
+        x = quantize_activations(x, cfg)  # deploy numerics hook
         # (Fusing these four projections into one matmul speeds a decoding step up, but the
         # concatenated kernels are an 86 MB copy per generate() call at the Needle 2 size, which
         # costs as much as it saves at 64 new tokens.)
@@ -300,6 +306,7 @@ class FlaxNeedleAttention(nn.Module):
         k = self.k_norm(self.k_proj(x).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim))  # [B, T, K, H]
         v = self.v_proj(x).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)  # [B, T, K, H]
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        k, v = quantize_kv(k, v, cfg)  # deploy numerics hook
         k, v = k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3)  # [B, K, H, T], [B, K, T, H]: the cache layout
         groups = cfg.num_attention_heads // cfg.num_key_value_heads
         q = q.reshape(b, t, cfg.num_key_value_heads, groups, cfg.head_dim).transpose(0, 2, 3, 1, 4)  # [B, K, G, T, H]
@@ -330,6 +337,7 @@ class FlaxNeedleAttention(nn.Module):
         out = out * nn.sigmoid(self.gate_proj(x))
         # Query head n = k * G + g, so [B, K, G, T, S] flattens to [B, N, T, S] in head order.
         weights = probs.reshape(b, cfg.num_attention_heads, t, -1) if output_attentions else None
+        out = quantize_activations(out, cfg)  # deploy numerics hook
         return self.o_proj(out), kv_cache, weights
 
 
@@ -498,6 +506,7 @@ class FlaxNeedleEngram(nn.Module):
         rows = self.tables[jnp.arange(num_tables), indices]  # [B, T, tables, sub]
         rows = rows * ngram_visible[..., None]
         e = rows.reshape(b, t, num_tables * cfg.engram_sub_dim).astype(self.dtype)  # [B, T, E]
+        e = quantize_activations(e, cfg)  # deploy numerics hook
         keys = self.key_proj(e)
         projected = jnp.concatenate([past_projected.astype(self.dtype), self.value_proj(e)], axis=1)  # [B, reach + T, D]
         taps = self.conv_taps.astype(self.dtype)
@@ -754,7 +763,9 @@ class FlaxNeedleMTPHead(nn.Module):
 
     def __call__(self, hidden, next_token_embeddings, cos, sin, key_mask):
         """hidden [B, T, D] (final-normed), next_token_embeddings [B, T, D] -> [B, T, D]."""
-        m = self.combine_proj(jnp.concatenate([hidden, self.embed_norm(next_token_embeddings)], axis=-1))
+        combined = jnp.concatenate([hidden, self.embed_norm(next_token_embeddings)], axis=-1)
+        combined = quantize_activations(combined, self.config)  # deploy numerics hook
+        m = self.combine_proj(combined)
         return self.norm(self.block(m, cos, sin, key_mask))
 
 
@@ -809,6 +820,7 @@ class FlaxNeedleForCausalLMModule(nn.Module):
     def logits(self, hidden):
         """Tied output head in float32: [B, T, D] -> [B, T, V]."""
         embedding = self.model.variables["params"]["embed_tokens"]["embedding"]
+        hidden = quantize_activations(hidden, self.config)  # deploy numerics hook
         return hidden.astype(jnp.float32) @ embedding.T.astype(jnp.float32)
 
     def __call__(
@@ -1193,6 +1205,7 @@ class FlaxNeedlePreTrainedModel(FlaxPreTrainedModel):
             raise ValueError("MTP logits are computed on a full sequence, not while decoding with a cache")
         input_ids, attention_mask, position_ids = self._prepare_call(input_ids, attention_mask, position_ids, past_key_values)
         variables = {"params": params or self.params}
+        variables["params"] = training_weights(variables["params"], self.config, train=train)  # deploy numerics hook
         options = dict(output_attentions=output_attentions, output_hidden_states=output_hidden_states, return_dict=return_dict)
         if self.module_class is FlaxNeedleForCausalLMModule:
             options["output_mtp_logits"] = output_mtp_logits

@@ -57,6 +57,12 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import is_torchdynamo_compiling
 
 from .configuration_needle import NeedleConfig
+from .deploy_numerics import (  # deploy numerics hooks
+    forward_on_training_weights,
+    quantize_activations,
+    quantize_kv,
+    training_weights,
+)
 from .numerics import (
     ENGRAM_HASH_PRIME,
     ENGRAM_HASH_SHIFT,
@@ -340,7 +346,7 @@ class NeedleAttention(nn.Module):
 
     def __init__(self, config: NeedleConfig, layer_idx: Optional[int]):
         super().__init__()
-        self.config = config
+        self.config = config  # deploy numerics hook
         self.layer_idx = layer_idx  # index into the KV cache (the MTP block: into its own cache)
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -370,11 +376,13 @@ class NeedleAttention(nn.Module):
         varlen arguments of flash/paged kernels); `NeedleModel.forward` names the ones it passes.
         """
         batch, length, _ = x.shape
+        x = quantize_activations(x, self.config)  # deploy numerics hook
         q = self.q_proj(x).view(batch, length, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H, S, hd]
         k = self.k_proj(x).view(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, KV, S, hd]
         v = self.v_proj(x).view(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, KV, S, hd]
         q = apply_rotary(self.q_norm(q), step.cos, step.sin)
         k = apply_rotary(self.k_norm(k), step.cos, step.sin)
+        k, v = quantize_kv(k, v, self.config)  # deploy numerics hook
         if cache is not None and self.layer_idx is not None:
             # `cache_position` places the keys in a static cache on 4.57 (5.x layers count themselves).
             k, v = cache.update(k, v, self.layer_idx, {"cache_position": step.cache_position})  # [B, KV, K, hd]
@@ -392,6 +400,7 @@ class NeedleAttention(nn.Module):
             **attention_kwargs,
         )
         out = out.reshape(batch, length, -1) * torch.sigmoid(self.gate_proj(x))  # [B, S, attention_dim]
+        out = quantize_activations(out, self.config)  # deploy numerics hook
         return self.o_proj(out), probs
 
 
@@ -537,6 +546,7 @@ class NeedleEngram(nn.Module):
     def __init__(self, config: NeedleConfig):
         super().__init__()
         d = config.hidden_size
+        self.config = config  # deploy numerics hook
         self.num_tables = config.engram_num_tables
         self.dilation = config.engram_conv_dilation
         self.reach = config.engram_conv_reach
@@ -567,6 +577,7 @@ class NeedleEngram(nn.Module):
         rows = self.tables[table_ids, indices]  # [B, T, tables, sub_dim]
         rows = rows * ngram_visible[..., None].to(rows.dtype)
         fetched = rows.reshape(batch, length, -1).to(dtype)  # [B, T, engram_dim]
+        fetched = quantize_activations(fetched, self.config)  # deploy numerics hook
         key = self.key_proj(fetched[:, first_output:])
         # Hidden positions contribute zero to every tap; zeros in front stand for positions before the window.
         reach = self.reach
@@ -586,6 +597,7 @@ class NeedleMultiTokenPrediction(nn.Module):
     def __init__(self, config: NeedleConfig):
         super().__init__()
         d = config.hidden_size
+        self.config = config  # deploy numerics hook
         self.combine_proj = nn.Linear(2 * d, d, bias=False)
         self.embed_norm = NeedleRMSNorm(d, config.rms_norm_eps)
         self.norm = NeedleRMSNorm(d, config.rms_norm_eps)
@@ -598,6 +610,7 @@ class NeedleMultiTokenPrediction(nn.Module):
         """hidden: [B, S, d] final-normed backbone output; next_embedded: [B, S, d] float32 ``E[t+1] * sqrt(d)``;
         cache: the MTP block's own one-layer cache of the positions before these (None: the whole text)."""
         combined = torch.cat([hidden, self.embed_norm(next_embedded).to(hidden.dtype)], dim=-1)
+        combined = quantize_activations(combined, self.config)  # deploy numerics hook
         return self.norm(self.block.block(self.combine_proj(combined), step, cache=cache)[0])
 
 
@@ -1268,6 +1281,7 @@ class NeedleForCausalLM(NeedlePreTrainedModel, GenerationMixin):
 
     def tied_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 ``hidden @ E.T``: [B, S, d] -> [B, S, V]."""
+        hidden = quantize_activations(hidden, self.config)  # deploy numerics hook
         return hidden.float() @ self.model.embed_tokens.weight.float().T
 
     def forward(
@@ -1302,6 +1316,10 @@ class NeedleForCausalLM(NeedlePreTrainedModel, GenerationMixin):
             return_mtp_logits: also return ``mtp_logits`` (``mtp_logits[:, t]`` scores token t + 2);
                 only on a forward over the whole text (empty cache).
         """
+        forward_arguments = dict(locals())  # deploy numerics hook (first statement: the arguments only)
+        qat_weights = training_weights(self)  # deploy numerics hook: QAT reruns on CQ weights
+        if qat_weights is not None:  # deploy numerics hook
+            return forward_on_training_weights(self, qat_weights, forward_arguments)  # deploy numerics hook
         cache = _merge_cache_arguments(past_key_values, cache)
         return_dict = _config_default(return_dict, self.config, "return_dict", True)
         if return_mtp_logits and self.mtp is None:

@@ -18,6 +18,8 @@ statement (`conversion/native_forward.py`); lower case in einsum strings:
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 # Engram n-gram hash (FNV-style, 32-bit): table k starts from SEED * (k + 1), folds in each of the
@@ -107,3 +109,85 @@ def hyper_connection_offsets(num_layers: int, lanes: int) -> tuple[np.ndarray, n
     pre = own * (OWN_LANE_PRE_OFFSET - OTHER_LANE_OFFSET) + OTHER_LANE_OFFSET
     post = (1.0 - own) * OTHER_LANE_OFFSET
     return pre.astype(np.float32), post.astype(np.float32)
+
+
+# --------------------------------------------------------------------------------------------------
+# Cactus-Quants (CQ) and the engine's deployment numerics (`NeedleConfig.deploy_numerics`).
+# conversion/quantize.py states the CQ scheme; the models fake-quantise with these same constants.
+
+# Lloyd-Max fit of the CQ level sets: samples of the legacy `RandomState(seed)` unit Gaussian, sorted,
+# levels started at the sample quantiles (k + 1/2) / levels, then rounds of "boundaries at the
+# midpoints, levels at the mean of their cell" in float64.
+CQ_FIT_SAMPLES = 400_000
+CQ_FIT_ROUNDS = 200
+CQ_FIT_SEED = 0
+# Group of consecutive inputs that share one float16 norm in a CQ weight record.
+CQ_WEIGHT_GROUP = 128
+# Group of a quantised KV-cache row (along head_dim, zero padded).
+CQ_KV_GROUP = 64
+# Smallest norm a CQ group is divided by.
+CQ_NORM_FLOOR = 1e-12
+# A KV cache this wide or wider is kept unquantised (int8 and up are exact enough for the engine).
+KV_BITS_UNQUANTISED = 8
+# CQ width of the weights when `weight_bits` names no map (the engine's default `.cact`).
+DEFAULT_WEIGHT_BITS = 4
+# HF parameter names (PyTorch layout) stored as CQ records: every projection, the token embedding
+# and the engram tables; a projection's groups run along its input axis (the last axis in this layout).
+CQ_WEIGHT_NAME_SUFFIXES = ("proj.weight", "embed_tokens.weight", ".tables")
+
+
+@functools.cache
+def gaussian_lloyd_max(bits: int) -> np.ndarray:
+    """The 2**bits Lloyd-Max levels of a unit Gaussian, float64, increasing (read-only)."""
+    count = 1 << bits
+    samples = np.sort(np.random.RandomState(CQ_FIT_SEED).randn(CQ_FIT_SAMPLES))
+    start = ((np.arange(count) + 0.5) / count * CQ_FIT_SAMPLES).astype(int)
+    levels = samples[start].astype(np.float64)
+    for _ in range(CQ_FIT_ROUNDS):
+        # Samples are sorted, so each cell (midpoint_{k-1}, midpoint_k] is one contiguous run.
+        edges = np.searchsorted(samples, (levels[:-1] + levels[1:]) / 2.0, side="right")
+        bounds = np.concatenate([[0], edges, [CQ_FIT_SAMPLES]])
+        for k in range(count):
+            if bounds[k + 1] > bounds[k]:  # an empty cell keeps its level
+                levels[k] = samples[bounds[k] : bounds[k + 1]].mean()
+    levels = np.sort(levels)
+    levels.flags.writeable = False
+    return levels
+
+
+@functools.cache
+def cq_levels(bits: int, group: int) -> np.ndarray:
+    """The float32 CQ level set of an integer width for groups of `group` (read-only)."""
+    levels = (gaussian_lloyd_max(bits) / np.sqrt(group)).astype(np.float32)
+    levels.flags.writeable = False
+    return levels
+
+
+@functools.cache
+def cq_walsh_matrix(group: int) -> np.ndarray:
+    """`walsh_matrix(group)`, computed once (read-only)."""
+    matrix = walsh_matrix(group)
+    matrix.flags.writeable = False
+    return matrix
+
+
+def is_cq_weight(hf_name: str) -> bool:
+    """Whether the engine stores this parameter (HF name, PyTorch layout) as a CQ record."""
+    return hf_name.endswith(CQ_WEIGHT_NAME_SUFFIXES)
+
+
+def qat_weight_bits(hf_name: str, weight_bits: str) -> int:
+    """CQ width a weight is fake-quantised to in QAT: `DEFAULT_WEIGHT_BITS` unless `weight_bits` maps widths."""
+    if weight_bits:
+        raise ValueError(
+            f"deploy_numerics trains on a uniform {DEFAULT_WEIGHT_BITS}-bit CQ weight set; config.weight_bits "
+            f"{weight_bits!r} (a mixed-precision map) is not supported for QAT: set weight_bits to ''"
+        )
+    return DEFAULT_WEIGHT_BITS
+
+
+def kv_cache_bits(config) -> int | None:
+    """CQ width of the KV cache the deployed model runs with, or None when it is not quantised."""
+    if config.deploy_numerics and config.kv_bits < KV_BITS_UNQUANTISED:
+        return config.kv_bits
+    return None
