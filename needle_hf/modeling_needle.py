@@ -510,6 +510,36 @@ class NeedleEngram(nn.Module):
         return key, value
 
 
+def engram_window_memory(
+    engrams: nn.ModuleList,
+    config: NeedleConfig,
+    window_ids: torch.Tensor,
+    window_visible: torch.Tensor,
+    first_output: int,
+    dtype: torch.dtype,
+) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Engram (key, value) [B, T - first_output, d] of window positions ``first_output..T-1``, by the
+    layer that reads them.
+
+    window_ids: [B, T] token ids; window_visible: [B, T] bool, whether each position is real text
+    (positions hidden here contribute zero, exactly like positions before the window).
+    """
+    indices = engram_hash_indices(window_ids, config.engram_orders, config.engram_num_heads, config.engram_slots)
+    # An n-gram of order o ending at t is visible when its first token, t - (o - 1), is.
+    visible_by_order = {order: shift_right(window_visible, order - 1) for order in config.engram_orders}
+    table_orders = engram_table_orders(config.engram_orders, config.engram_num_heads)
+    ngram_visible = torch.stack([visible_by_order[order] for order in table_orders], dim=-1)  # [B, T, tables]
+    return {
+        layer_idx: engram(indices, ngram_visible, window_visible, first_output, dtype)
+        for engram, layer_idx in zip(engrams, config.engram_layers)
+    }
+
+
+def tied_logits(hidden: torch.Tensor, embedding_weight: torch.Tensor) -> torch.Tensor:
+    """Float32 ``hidden @ E.T``: [..., d] -> [..., V] (the output head is the token embedding)."""
+    return hidden.float() @ embedding_weight.float().T
+
+
 class NeedleMultiTokenPrediction(nn.Module):
     """MTP head: ``block(cat(h, norm(E[next] * sqrt(d))) W)`` then a norm; its tied logits predict token t + 2."""
 
@@ -885,16 +915,9 @@ class NeedleModel(NeedlePreTrainedModel):
             window_visible = key_visible[:, past_length - needed :]
             first_new = needed
 
-        indices = engram_hash_indices(window_ids, config.engram_orders, config.engram_num_heads, config.engram_slots)
-        # An n-gram of order o ending at t is visible when its first token, t - (o - 1), is.
-        visible_by_order = {order: shift_right(window_visible, order - 1) for order in config.engram_orders}
-        table_orders = engram_table_orders(config.engram_orders, config.engram_num_heads)
-        ngram_visible = torch.stack([visible_by_order[order] for order in table_orders], dim=-1)  # [B, T, tables]
-        dtype = self.embed_tokens.weight.dtype
-        memory = {}
-        for engram, layer_idx in zip(self.engrams, config.engram_layers):
-            memory[layer_idx] = engram(indices, ngram_visible, window_visible, first_new, dtype)
-        return memory
+        return engram_window_memory(
+            self.engrams, config, window_ids, window_visible, first_new, self.embed_tokens.weight.dtype
+        )
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Float32 ``E[tokens] * sqrt(d)`` [B, S, d] (the reference scales before casting to the compute dtype)."""
@@ -1017,7 +1040,7 @@ class NeedleForCausalLM(NeedlePreTrainedModel, GenerationMixin):
 
     def tied_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 ``hidden @ E.T``: [B, S, d] -> [B, S, V]."""
-        return hidden.float() @ self.model.embed_tokens.weight.float().T
+        return tied_logits(hidden, self.model.embed_tokens.weight)
 
     def forward(
         self,
