@@ -81,8 +81,10 @@ class NeedleToolParser(ToolParser):
             return self._content_delta(turn)
         if TOOL_CALL_END not in turn:
             return None  # a tool-call turn still being generated
+        # What follows the list (the end-of-turn marker, possibly still partial) belongs to no call.
+        closed = turn[: turn.index(TOOL_CALL_END) + len(TOOL_CALL_END)]
         try:
-            calls = parse_assistant_turn(turn).tool_calls
+            calls = parse_assistant_turn(closed).tool_calls
         except ToolCallParseError:
             return self._content_delta(turn)
         self._calls_sent = True
