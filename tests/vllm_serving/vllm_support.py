@@ -57,10 +57,11 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def vllm_server(folder, *args: str, log_path, startup_timeout: float = 600.0):
+def vllm_server(folder, *args: str, log_path, startup_timeout: float = 600.0, env: dict | None = None):
     """`vllm serve FOLDER ARGS...` (see SERVE_COMMAND) on a free localhost port; yields the OpenAI base URL (…/v1).
 
     The server's output goes to ``log_path``; its tail is in the error if it does not come up.
+    ``env`` adds to `ENGINE_ENV` (e.g. one core per replica for ``--data-parallel-size``).
     The server (its process group: API server, engine, workers) is stopped on exit.
     """
     import signal
@@ -76,7 +77,7 @@ def vllm_server(folder, *args: str, log_path, startup_timeout: float = 600.0):
         "--gpu-memory-utilization", str(ENGINE_MEMORY["gpu_memory_utilization"]), *args,
     ]
     log = open(log_path, "w")
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **ENGINE_ENV},
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **ENGINE_ENV, **(env or {})},
                                start_new_session=True)
     try:
         deadline = time.monotonic() + startup_timeout
