@@ -122,6 +122,13 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return (x * cos + rotated * sin).to(x.dtype)
 
 
+def rotary_tables(positions: torch.Tensor, inverse_frequencies: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float32 RoPE ``cos, sin`` [..., hd] of integer ``positions`` [...], each half the same (see `apply_rotary`)."""
+    angles = positions.float()[..., None] * inverse_frequencies  # [..., hd/2]
+    angles = torch.cat([angles, angles], dim=-1)
+    return torch.cos(angles), torch.sin(angles)
+
+
 def shift_right(x: torch.Tensor, offset: int) -> torch.Tensor:
     """``x[:, t - offset]`` along axis 1, zero (False) where ``t < offset``."""
     if offset == 0:
@@ -858,8 +865,7 @@ class NeedleModel(NeedlePreTrainedModel):
         if position_ids is None:
             position_ids = default_position_ids(attention_mask, past_length, length, batch, device)
         inverse_frequencies = self.constant("rope_inverse_frequencies", device, torch.float32)
-        angles = position_ids.to(device).float()[..., None] * inverse_frequencies  # [B, S, hd/2]
-        angles = torch.cat([angles, angles], dim=-1)[:, None]  # [B, 1, S, hd], see `apply_rotary`
+        cos, sin = rotary_tables(position_ids.to(device), inverse_frequencies)  # [B, S, hd] each
         group = self.config.num_attention_heads // self.config.num_key_value_heads
         allowed = attention_allowed(key_visible, past_length, length, group)
         # What scaled_dot_product_attention turns a boolean mask into (`torch.where(mask, 0, -inf)`).
@@ -868,8 +874,8 @@ class NeedleModel(NeedlePreTrainedModel):
             key_visible=key_visible,
             allowed=allowed,
             attention_bias=attention_bias,
-            cos=torch.cos(angles),
-            sin=torch.sin(angles),
+            cos=cos[:, None],
+            sin=sin[:, None],
             walsh=self.constant("walsh", device, dtype),
             pre_offsets=self.constant("pre_offsets", device, torch.float32),
             post_offsets=self.constant("post_offsets", device, torch.float32),

@@ -52,6 +52,7 @@ from ..modeling_needle import (
     apply_rotary,
     engram_window_memory,
     lane_mean,
+    rotary_tables,
     tied_logits,
 )
 from ..numerics import hyper_connection_offsets, rope_inverse_frequencies, walsh_matrix
@@ -188,18 +189,10 @@ class NeedleVllmModel(nn.Module):
     def step_inputs(self, positions: torch.Tensor) -> NeedleStepInputs:
         """RoPE tables of the flat batch's positions, the Walsh matrix and the lane offsets (no mask:
         attention masking is vLLM's)."""
-        angles = positions.float()[:, None] * self.rope_inverse_frequencies  # [N, hd/2]
-        angles = torch.cat([angles, angles], dim=-1)[None, None]  # [1, 1, N, hd], see `apply_rotary`
-        return NeedleStepInputs(
-            key_visible=None,
-            allowed=None,
-            attention_bias=None,
-            cos=torch.cos(angles),
-            sin=torch.sin(angles),
-            walsh=self.walsh,
-            pre_offsets=self.pre_offsets,
-            post_offsets=self.post_offsets,
-        )
+        cos, sin = rotary_tables(positions, self.rope_inverse_frequencies)  # [N, hd] each
+        return NeedleStepInputs(key_visible=None, allowed=None, attention_bias=None, cos=cos[None, None],
+                                sin=sin[None, None], walsh=self.walsh, pre_offsets=self.pre_offsets,
+                                post_offsets=self.post_offsets)
 
     def engram_memory(
         self, input_ids: torch.Tensor, positions: torch.Tensor, lookback_token_ids: Optional[torch.Tensor]

@@ -88,6 +88,7 @@ def test_batch_with_prefix_caching_matches_the_pytorch_model(tiny_folder):
     score = hf_scores(tiny_folder, torch.float32)
     with vllm_engine(tiny_folder, dtype="float32", enable_prefix_caching=True, block_size=BLOCK_SIZE,
                      max_model_len=256, skip_tokenizer_init=True) as llm:
+        assert llm.llm_engine.vllm_config.model_config.enforce_eager  # the plugin's config hook
         first = generate(llm, batch)
         second = generate(llm, later)
     assert_matches_hf(first, batch, score)
