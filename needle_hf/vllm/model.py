@@ -34,6 +34,7 @@ from collections.abc import Iterable
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from vllm.config import VllmConfig
 from vllm.forward_context import get_forward_context, is_forward_context_available
@@ -140,6 +141,52 @@ class NeedleSlotTokenStore(nn.Module):
         return torch.where(valid, found.long(), 0)
 
 
+def merge_lookback(history_ids: torch.Tensor, lookback_token_ids: torch.Tensor) -> torch.Tensor:
+    """History [R, H] (positions start - H .. start - 1) with the runner's ids where it has them.
+
+    Column j of ``lookback_token_ids`` [R, H] is position ``start - 1 - j``, -1 where the runner has
+    no id (before the text, or a generated token)."""
+    given = lookback_token_ids.flip(1).long()
+    return torch.where(given >= 0, given, history_ids)
+
+
+def flat_batch_engram_memory(
+    engrams: nn.ModuleList,
+    config: NeedleConfig,
+    ids: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    history_ids: Optional[torch.Tensor],
+    history_visible: Optional[torch.Tensor],
+    *,
+    dtype: torch.dtype,
+) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Engram (key, value) [1, N, d] of a flat batch, by the layer that reads them.
+
+    ids: [N] the step's tokens, request r's at ``query_start_loc[r]:query_start_loc[r + 1]``;
+    history_ids / history_visible: [R, H] the H tokens before each request's first new one and
+    whether each is text (None: no request has any). Request r's segment ``[history, new tokens]``
+    starts at ``query_start_loc[r] + r * H`` in one stream (see the module docstring).
+    """
+    depth = config.engram_history
+    device = ids.device
+    num_requests = query_start_loc.shape[0] - 1
+    counts = query_start_loc[1:] - query_start_loc[:-1]
+    requests = torch.repeat_interleave(torch.arange(num_requests, device=device), counts)  # [N]
+    new_index = torch.arange(ids.shape[0], device=device) + (requests + 1) * depth  # [N]
+    segment_starts = query_start_loc[:-1] + torch.arange(num_requests, device=device) * depth  # [R]
+    history_index = segment_starts[:, None] + torch.arange(depth, device=device)  # [R, H]
+    length = ids.shape[0] + num_requests * depth
+    stream_ids = torch.zeros(length, dtype=torch.long, device=device)
+    stream_visible = torch.zeros(length, dtype=torch.bool, device=device)
+    stream_ids[new_index] = ids
+    stream_visible[new_index] = True
+    if history_ids is not None:
+        stream_ids[history_index] = history_ids
+        stream_visible[history_index] = history_visible
+    memory = engram_window_memory(engrams, config, stream_ids[None], stream_visible[None], 0, dtype)
+    return {layer: (key[:, new_index], value[:, new_index]) for layer, (key, value) in memory.items()}
+
+
 class NeedleVllmModel(nn.Module):
     """The backbone with the twin's weight names: ``embed_tokens``, ``layers.{i}``, ``norm``, ``engrams.{s}``."""
 
@@ -197,20 +244,15 @@ class NeedleVllmModel(nn.Module):
     def engram_memory(
         self, input_ids: torch.Tensor, positions: torch.Tensor, lookback_token_ids: Optional[torch.Tensor]
     ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-        """Engram (key, value) [1, N, d] of the flat batch's tokens, by the layer that reads them.
-
-        See the module docstring: one segment per request, ``[H earlier tokens, new tokens]``, side by side.
-        """
+        """Engram (key, value) [1, N, d] of the flat batch's tokens, by the layer that reads them."""
         if not self.engrams:
             return {}
         depth = self.config.engram_history
         device = input_ids.device
-        total = input_ids.shape[0]
         metadata = self._attention_metadata()
         if metadata is None:  # warm-up run: one request, nothing before it
-            starts = torch.zeros(2, dtype=torch.long, device=device)
-            starts[1] = total
-            query_start_loc, history_ids, history_visible = starts, None, None
+            query_start_loc = torch.tensor([0, input_ids.shape[0]], device=device)
+            history_ids = history_visible = None
         else:
             query_start_loc = metadata.query_start_loc.long()
         num_requests = query_start_loc.shape[0] - 1
@@ -227,38 +269,19 @@ class NeedleVllmModel(nn.Module):
             rows = torch.arange(num_requests, device=device)[:, None].expand(-1, depth)
             history_ids = store.read(block_table, rows, earlier)
             if lookback_token_ids is not None:
-                # Column j of lookback_token_ids is position start - 1 - j; -1 where the runner has none.
-                given = lookback_token_ids[:num_requests].flip(1).long()
-                history_ids = torch.where(given >= 0, given, history_ids)
+                history_ids = merge_lookback(history_ids, lookback_token_ids[:num_requests])
             history_visible = earlier >= 0
             slot_mapping = metadata.slot_mapping[:num_real]
             store.check_layout(block_table, requests, token_positions, slot_mapping)
             store.write(slot_mapping, ids)
 
-        # Stream layout: request r's segment starts at query_start_loc[r] + r * H.
-        new_index = torch.arange(num_real, device=device) + (requests + 1) * depth  # [N_real]
-        history_index = (query_start_loc[:-1] + torch.arange(num_requests, device=device) * depth)[:, None] + torch.arange(
-            depth, device=device
-        )  # [R, H]
-        length = num_real + num_requests * depth
-        stream_ids = torch.zeros(length, dtype=torch.long, device=device)
-        stream_visible = torch.zeros(length, dtype=torch.bool, device=device)
-        stream_ids[new_index] = ids
-        stream_visible[new_index] = True
-        if history_ids is not None:
-            stream_ids[history_index] = history_ids
-            stream_visible[history_index] = history_visible
-
-        dtype = self.embed_tokens.weight.dtype
-        memory = engram_window_memory(self.engrams, self.config, stream_ids[None], stream_visible[None], 0, dtype)
-        flat = {}
-        for layer_idx, (key, value) in memory.items():
-            out_key = key.new_zeros(1, total, key.shape[-1])
-            out_value = value.new_zeros(1, total, value.shape[-1])
-            out_key[0, :num_real] = key[0, new_index]
-            out_value[0, :num_real] = value[0, new_index]
-            flat[layer_idx] = (out_key, out_value)
-        return flat
+        memory = flat_batch_engram_memory(
+            self.engrams, self.config, ids, query_start_loc, history_ids, history_visible,
+            dtype=self.embed_tokens.weight.dtype,
+        )
+        padding = input_ids.shape[0] - num_real
+        return {layer: (F.pad(key, (0, 0, 0, padding)), F.pad(value, (0, 0, 0, padding)))
+                for layer, (key, value) in memory.items()}
 
     # ----------------------------------------------------------------------------------------------
 
