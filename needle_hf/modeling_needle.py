@@ -709,6 +709,11 @@ def _config_default(value, config, name: str, default):
     return value if value is not None else getattr(config, name, default)
 
 
+def _refuse_inputs_embeds(inputs_embeds):
+    if inputs_embeds is not None:
+        raise ValueError("Needle reads token ids (its engram memory hashes them): pass input_ids, not inputs_embeds")
+
+
 def _merge_cache_arguments(past_key_values, cache) -> Optional[Cache]:
     """Accept the cache under its 4.x name (`past_key_values`) or its 5.x name (`cache`); on 5.x the old
     name warns."""
@@ -1184,6 +1189,7 @@ class NeedleModel(NeedlePreTrainedModel):
         attention_window: Optional[int] = None,
         cache_position: Optional[torch.LongTensor] = None,
         past_key_values: Optional[Cache] = None,
+        inputs_embeds: None = None,
     ) -> Union[BaseModelOutputWithPast, tuple]:
         """Run the backbone on ``input_ids`` [B, S].
 
@@ -1195,12 +1201,15 @@ class NeedleModel(NeedlePreTrainedModel):
                 (`NeedleEngramCacheLayer`); created when ``use_cache`` and none is given.
                 ``past_key_values`` is its name before transformers 5.
             cache_position: [S] where the new tokens go in the cache (default: after the cached ones).
+            inputs_embeds: only None: PEFT and TRL pass it on every call, but Needle reads token ids
+                (its engram memory hashes them).
             output_hidden_states: return ``(x0, lane mean after layer 1, ..., after layer L)``; the
                 final-normed output is ``last_hidden_state``.
             output_attentions: return each layer's attention probabilities (eager attention only).
             attention_window: attend to the last ``n`` key slots only (0: all); default
                 ``config.attention_window`` (0, full attention). `generate(attention_window=n)` passes it.
         """
+        _refuse_inputs_embeds(inputs_embeds)
         cache = _merge_cache_arguments(past_key_values, cache)
         use_cache = _config_default(use_cache, self.config, "use_cache", True)
         output_attentions = _config_default(output_attentions, self.config, "output_attentions", False)
@@ -1329,6 +1338,7 @@ class NeedleForCausalLM(NeedlePreTrainedModel, GenerationMixin):
         num_items_in_batch: Optional[Union[int, torch.Tensor]] = None,
         shift_labels: Optional[torch.LongTensor] = None,
         past_key_values: Optional[Cache] = None,
+        inputs_embeds: None = None,
     ) -> Union[NeedleCausalLMOutput, tuple]:
         """Logits [B, S, V] float32 of ``input_ids`` [B, S] (see `NeedleModel.forward` for the inputs).
 
@@ -1347,6 +1357,7 @@ class NeedleForCausalLM(NeedlePreTrainedModel, GenerationMixin):
         qat_weights = training_weights(self)  # deploy numerics hook: QAT reruns on CQ weights
         if qat_weights is not None:  # deploy numerics hook
             return forward_on_training_weights(self, qat_weights, forward_arguments)  # deploy numerics hook
+        _refuse_inputs_embeds(inputs_embeds)
         cache = _merge_cache_arguments(past_key_values, cache)
         return_dict = _config_default(return_dict, self.config, "return_dict", True)
         if return_mtp_logits and self.mtp is None:

@@ -90,8 +90,10 @@ def test_a_misspelled_argument_is_an_error(state):
     ids, _ = batch(1, 6, seed=4)
     with pytest.raises(TypeError, match="attention_mak"):
         model(ids, attention_mak=torch.ones_like(ids))
-    with pytest.raises(TypeError, match="inputs_embeds"):
+    # inputs_embeds exists only as None (PEFT and TRL always pass it); embeddings are refused clearly.
+    with pytest.raises(ValueError, match="pass input_ids, not inputs_embeds"):
         model.model(ids, inputs_embeds=torch.zeros(1, 6, model.config.hidden_size))
+    model(ids, inputs_embeds=None)
 
 
 def test_use_cache_is_a_config_field(state):
