@@ -31,12 +31,7 @@ WIDTHS = [(8, 8), (8, 4), (6, 2)]
 WIDTH_IDS = ["a8-kv8", "a8-kv4", "a6-kv2"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_cpu_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")  # conftest: torch on one thread
 
 
 PARAMS_SEED = 7
@@ -234,8 +229,7 @@ def test_cached_decoding_equals_the_full_forward_under_deploy_numerics(native_pa
         prefix = model(ids[:, :12], use_cache=True)
         cache, steps = prefix.past_key_values, [prefix.logits]
         for t in range(12, SEQUENCE_LENGTH):
-            out = model(ids[:, t : t + 1], past_key_values=cache, use_cache=True,
-                        engram_context_ids=ids[:, max(0, t - model.engram_context_length) : t])
+            out = model(ids[:, t : t + 1], cache=cache, use_cache=True)  # the cache carries the engram state
             cache = out.past_key_values
             steps.append(out.logits)
     assert max_difference(torch.cat(steps, dim=1), full) <= TOLERANCE

@@ -31,12 +31,7 @@ from needle_hf.modeling_needle import NeedleForCausalLM
 from needle_hf.tokenization_needle import PAD_ID, build_fast_tokenizer
 from needle_hf.weight_names import native_to_hf
 
-@pytest.fixture(scope="module", autouse=True)
-def one_cpu_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")  # conftest: torch on one thread
 
 
 def hf_batch(fast_tokenizer, examples):

@@ -13,7 +13,6 @@ import pytest
 import safetensors.numpy
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
-from torch_support import one_cpu_thread  # noqa: F401 (module-wide fixture)
 from needle_reference import (
     BASE_NATIVE_CONFIG,
     TINY_NATIVE_CONFIG,
@@ -32,6 +31,8 @@ from needle_hf.modeling_needle import (
 )
 from needle_hf.numerics import engram_indices_numpy
 from needle_hf.weight_names import hf_weight_shapes, native_to_hf
+
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")  # conftest: torch on one thread
 
 PARITY_TOLERANCE = 1e-4  # max |logit difference| against the reference, float32
 SEEDS = (0, 1, 2)

@@ -12,7 +12,6 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from torch_support import one_cpu_thread  # noqa: F401 (module-wide fixture)
 from needle_reference import TINY_NATIVE_CONFIG, make_native_params
 from transformers import DynamicCache, StaticCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -20,6 +19,8 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from needle_hf.configuration_needle import NeedleConfig
 from needle_hf.modeling_needle import NeedleEngramCacheLayer, NeedleForCausalLM
 from needle_hf.weight_names import native_to_hf
+
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")  # conftest: torch on one thread
 
 CACHE_ARGUMENT = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 TOLERANCE = 1e-5  # float32, the same model on two paths

@@ -6,12 +6,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from torch_support import one_cpu_thread  # noqa: F401 (module-wide fixture)
 from needle_reference import TINY_NATIVE_CONFIG, make_native_params
 
 from needle_hf.configuration_needle import NeedleConfig
 from needle_hf.modeling_needle import NeedleForCausalLM
 from needle_hf.weight_names import native_to_hf
+
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")  # conftest: torch on one thread
 
 
 @pytest.fixture(scope="module")
