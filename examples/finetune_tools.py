@@ -91,8 +91,6 @@ def main(argv=None) -> int:
             learning_rate=args.learning_rate, warmup_steps=warmup_steps, lr_scheduler_type="cosine", max_grad_norm=1.0,
             assistant_only_loss=True, max_length=args.max_length, logging_steps=10, save_strategy="no",
             eval_strategy="epoch" if held_out else "no", report_to=[], seed=args.seed,
-            # The Needle modules do not support gradient checkpointing yet (SFTConfig turns it on by default).
-            gradient_checkpointing=False,
             bf16=False,  # float32 weights and loss, as the reference fine-tunes (SFTConfig's default is bf16)
         ),
         train_dataset=train, eval_dataset=held_out, processing_class=tokenizer,

@@ -112,9 +112,8 @@ def test_trl_sft_trainer_with_assistant_only_loss_lowers_the_held_out_loss(tmp_p
     model = NeedleForCausalLM(NeedleConfig.from_needle_config(FINETUNE_NATIVE_CONFIG))
     train = conversations_dataset(make_demo_examples(64, seed=1))
     held_out = conversations_dataset(make_demo_examples(16, seed=2))
-    # Needle does not support gradient checkpointing yet; SFTConfig turns it and bf16 on by default.
-    args = SFTConfig(**training_arguments(tmp_path), assistant_only_loss=True, gradient_checkpointing=False,
-                     bf16=False, max_length=None)
+    # SFTConfig's defaults (gradient checkpointing on), float32 as the reference trains (no bf16 on a CPU).
+    args = SFTConfig(**training_arguments(tmp_path), assistant_only_loss=True, bf16=False, max_length=None)
     trainer = NeedleSFTTrainer(model=model, args=args, train_dataset=train, eval_dataset=held_out,
                                processing_class=fast_tokenizer, peft_config=needle_lora_config(rank=8, alpha=16.0))
     # TRL's labels come from the template's generation mask: the reference's target and EOS.
