@@ -132,14 +132,17 @@ def token_bytes(tokenizer) -> tuple[list[bytes], list[int]]:
     """
     size = len(tokenizer)
     pieces = tokenizer.convert_ids_to_tokens(list(range(size)))
-    special = set(tokenizer.all_special_ids) | set(tokenizer.added_tokens_decoder)
+    added = tokenizer.added_tokens_decoder
+    special = set(tokenizer.all_special_ids) | set(added)
     tokens = []
     for index, piece in enumerate(pieces):
         if piece is None:
             raise ToolGrammarError(f"tokenizer: id {index} has no piece (vocabulary of {size} ids expected dense)")
         byte = _BYTE_PIECE.fullmatch(piece)
         if index in special:
-            tokens.append(_SPECIAL_PREFIX + piece.encode("utf-8"))
+            # An added token's own text: newer tokenizers show a marker's piece with a leading space.
+            name = added[index].content if index in added else piece
+            tokens.append(_SPECIAL_PREFIX + name.encode("utf-8"))
         elif byte:
             tokens.append(bytes([int(byte.group(1), 16)]))
         else:
