@@ -5,8 +5,9 @@ The math is the PyTorch twin's (`needle_hf.modeling_needle`): the decoder layers
 Walsh MLP), the engram sites are `NeedleEngram` modules fed by `engram_window_memory`, and the
 logits are `tied_logits`. Only three things are vLLM's here:
 
-- attention: `NeedlePagedAttention` keeps the twin's projections, q/k norms, RoPE and output gate,
-  and hands the rotated q/k/v to vLLM's paged `Attention` (GQA, prefix caching, chunked prefill);
+- attention: `NeedlePagedAttention` keeps the twin's projections, q/k norms, RoPE, output gate and
+  deploy-numerics hooks, and hands the rotated q/k/v to vLLM's paged `Attention` (GQA, prefix
+  caching, chunked prefill) in place of the twin's cache and attention function;
 - batching: vLLM runs every scheduled token of every request as one flat row [N]. The layers are
   position-wise apart from attention, so the twin's modules see it as a batch of one, [1, N, ...];
   the engram, which reads earlier tokens of the same text, is rebuilt per request (below);
@@ -43,6 +44,7 @@ from vllm.model_executor.models.utils import maybe_prefix
 from vllm.sequence import IntermediateTensors
 
 from ..configuration_needle import NeedleConfig
+from ..deploy_numerics import quantize_activations, quantize_kv
 from ..modeling_needle import (
     NeedleAttention,
     NeedleDecoderLayer,
@@ -78,18 +80,25 @@ class NeedlePagedAttention(NeedleAttention):
             prefix=f"{prefix}.attn",
         )
 
-    def forward(self, x: torch.Tensor, step: NeedleStepInputs, cache=None, need_weights: bool = False):
+    def forward(self, x: torch.Tensor, step: NeedleStepInputs, cache=None, **attention_kwargs):
         """x: [1, N, d] (normed, the flat batch) -> ([1, N, d], None)."""
-        if cache is not None or need_weights:
-            raise ValueError("vLLM owns the KV cache and returns no attention weights")
+        if cache is not None or attention_kwargs:
+            raise ValueError(
+                "vLLM owns the KV cache and the attention kernel: Needle's vLLM attention takes no cache "
+                f"and no attention options (got cache={type(cache).__name__}, options={sorted(attention_kwargs)})"
+            )
         _, length, _ = x.shape
+        x = quantize_activations(x, self.config)  # deploy numerics hook, as in the twin
         q = self.q_proj(x).view(1, length, self.num_heads, self.head_dim).transpose(1, 2)  # [1, H, N, hd]
         k = self.k_proj(x).view(1, length, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [1, KV, N, hd]
-        v = self.v_proj(x).view(length, -1)  # [N, KV * hd]
+        v = self.v_proj(x).view(1, length, self.num_kv_heads, self.head_dim)  # [1, N, KV, hd]
         q = apply_rotary(self.q_norm(q), step.cos, step.sin)
         k = apply_rotary(self.k_norm(k), step.cos, step.sin)
-        out = self.attn(q[0].transpose(0, 1).reshape(length, -1), k[0].transpose(0, 1).reshape(length, -1), v)
+        k, v = quantize_kv(k, v, self.config)  # deploy numerics hook, as in the twin
+        out = self.attn(q[0].transpose(0, 1).reshape(length, -1), k[0].transpose(0, 1).reshape(length, -1),
+                        v.reshape(length, -1))
         out = out.view(1, length, -1) * torch.sigmoid(self.gate_proj(x))  # [1, N, attention_dim]
+        out = quantize_activations(out, self.config)  # deploy numerics hook, as in the twin
         return self.o_proj(out), None
 
 
@@ -234,11 +243,11 @@ class NeedleVllmModel(nn.Module):
         return None
 
     def step_inputs(self, positions: torch.Tensor) -> NeedleStepInputs:
-        """RoPE tables of the flat batch's positions, the Walsh matrix and the lane offsets (no mask:
-        attention masking is vLLM's)."""
+        """RoPE tables of the flat batch's positions, the Walsh matrix and the lane offsets. Masks and
+        cache positions are vLLM's (its attention metadata), so those fields stay empty."""
         cos, sin = rotary_tables(positions, self.rope_inverse_frequencies)  # [N, hd] each
-        return NeedleStepInputs(key_visible=None, allowed=None, attention_bias=None, cos=cos[None, None],
-                                sin=sin[None, None], walsh=self.walsh, pre_offsets=self.pre_offsets,
+        return NeedleStepInputs(key_visible=None, attention_mask=None, cos=cos[None, None], sin=sin[None, None],
+                                cache_position=None, walsh=self.walsh, pre_offsets=self.pre_offsets,
                                 post_offsets=self.post_offsets)
 
     def engram_memory(
@@ -295,8 +304,19 @@ class NeedleVllmModel(nn.Module):
         step = self.step_inputs(positions)
         lanes = x0[:, :, None, :].expand(-1, -1, self.config.hyper_connection_lanes, -1)  # [1, N, L, d]
         for i, layer in enumerate(self.layers):
-            lanes, _ = layer(lanes, step, engram=memory.get(i))
+            key, value = memory.get(i, (None, None))
+            lanes, _ = layer(lanes, key, value, step)
         return self.norm(lane_mean(lanes))[0]
+
+
+def check_servable(config: NeedleConfig) -> None:
+    """Raise ValueError for a config whose forward this model does not compute."""
+    if config.attention_window:
+        raise ValueError(
+            f"NeedleConfig.attention_window={config.attention_window}: Needle's vLLM model attends to the whole "
+            "context (vLLM's prefix cache and chunked prefill assume it); serve a config with attention_window=0, "
+            "or use the PyTorch model's generate(attention_window=n) for the engine's sliding KV window"
+        )
 
 
 class NeedleForCausalLM(nn.Module):
@@ -312,6 +332,7 @@ class NeedleForCausalLM(nn.Module):
                 "Needle (~45M parameters) runs one replica per device: use --data-parallel-size to scale out, "
                 "not tensor or pipeline parallelism"
             )
+        check_servable(config)
         self.config = config
         self.model = NeedleVllmModel(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
 
@@ -337,6 +358,7 @@ class NeedleForCausalLM(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Float32 logits [N, V] tied to the token embedding."""
+        hidden_states = quantize_activations(hidden_states, self.config)  # deploy numerics hook, as in the twin
         return tied_logits(hidden_states, self.model.embed_tokens.weight)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

@@ -7,6 +7,7 @@ its cache of earlier tokens; and ids the runner passes as lookback take the plac
 """
 
 import torch
+from transformers import DynamicCache
 
 from needle_hf.configuration_needle import NeedleConfig
 from needle_hf.modeling_needle import NeedleForCausalLM
@@ -20,9 +21,18 @@ REQUESTS = [(0, 9), (23, 7), (4, 1)]
 
 
 def twin_memory(model, text, start, count):
-    context = text[:start][None] if start else None
-    return model.model.engram_memory(text[start:start + count][None], torch.ones(1, start + count, dtype=torch.bool),
-                                     start, context)
+    """The twin's engram of ``text[start:start + count]`` after a cached forward over ``text[:start]``."""
+    backbone = model.model
+    cache = DynamicCache(config=model.config)
+
+    def memory(ids, first):
+        cache_position = torch.arange(ids.shape[0]) + first
+        step = backbone.step_inputs(1, ids.shape[0], cache_position, first + ids.shape[0], None, None)
+        return backbone.engram_memory(ids[None], step, cache)
+
+    if start:
+        memory(text[:start], 0)  # fills the cache's engram state with the ids before the chunk
+    return memory(text[start:start + count], start)
 
 
 def test_flat_batch_engram_equals_the_twin_per_request():
