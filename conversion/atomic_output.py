@@ -49,6 +49,21 @@ def check_output_outside_inputs(output: Path, inputs: dict[str, Path], *, comman
             )
 
 
+def check_output_file(output: Path, inputs: dict[str, Path], *, command: str, kind: str, overwrite: bool,
+                      error: type[Exception]):
+    """Refuse an output file path before any work: over an input (`check_output_outside_inputs`), a
+    folder, an existing file without `overwrite`, or a missing parent folder (raised as `error`).
+    Debris of an earlier killed run at `output` is cleaned first."""
+    check_output_outside_inputs(output, inputs, command=command)
+    clean_debris(output)
+    if output.is_dir():
+        raise error(f"{output} is a folder; give the path of the {kind} to write")
+    if output.exists() and not overwrite:
+        raise error(f"{output} exists; pass --overwrite to replace it")
+    if not output.parent.is_dir():
+        raise error(f"the parent folder of {output} does not exist; create it first")
+
+
 def staging_path(target: Path) -> Path:
     """A fresh staging name beside `target` that names this process."""
     return target.with_name(f".{target.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}")

@@ -29,7 +29,7 @@ from needle_hf.weight_names import hf_to_native
 
 from . import quantize
 from .cact import CACT_TAG, read_cact
-from .atomic_output import check_output_outside_inputs
+from .atomic_output import check_output_file
 from .cact_writer import CactWriteError, cact_bytes, deployment_kv_window, write_atomically
 from .export import read_hf_config, read_hf_tensors
 from .lora import merge_into_native, read_native_adapter, read_peft_adapter
@@ -143,13 +143,8 @@ def build_cact(
     if not hf_dir.is_dir():
         raise CactWriteError(f"{hf_dir} is not a folder; expected a saved Hugging Face Needle folder")
     inputs = {"Hugging Face folder": hf_dir, "adapter": lora, "tokenizer": tokenizer}
-    check_output_outside_inputs(out_path, {label: Path(path) for label, path in inputs.items() if path is not None},
-                                command="build")
-    if out_path.exists() and (out_path.is_dir() or not overwrite):
-        raise CactWriteError(f"{out_path} is a folder; give the path of the .cact to write" if out_path.is_dir()
-                             else f"{out_path} exists; pass --overwrite to replace it")
-    if not out_path.parent.is_dir():
-        raise CactWriteError(f"the parent folder of {out_path} does not exist; create it first")
+    check_output_file(out_path, {label: Path(path) for label, path in inputs.items() if path is not None},
+                      command="build", kind=".cact", overwrite=overwrite, error=CactWriteError)
 
     progress(f"reading {hf_dir}")
     config = read_hf_config(hf_dir)

@@ -34,7 +34,7 @@ import needle_hf
 from needle_hf.configuration_needle import NeedleConfig
 from needle_hf.weight_names import check_hf_weights, hf_to_native
 
-from .atomic_output import check_output_outside_inputs, clean_debris, publish_file, staging_path
+from .atomic_output import check_output_file, publish_file, staging_path
 from .native_checkpoint import load_native_checkpoint, write_native_checkpoint
 
 SAFETENSORS_NAME = "model.safetensors"
@@ -224,13 +224,8 @@ def export_native(
     hf_dir, out_path = Path(hf_dir), Path(out_path).absolute()
     if not hf_dir.is_dir():
         raise ExportError(f"{hf_dir} is not a folder; expected a saved Hugging Face Needle folder")
-    check_output_outside_inputs(out_path, {"Hugging Face folder": hf_dir}, command="export")
-    clean_debris(out_path)
-    if out_path.exists() and (out_path.is_dir() or not overwrite):
-        raise ExportError(f"{out_path} exists; pass --overwrite to replace it" if not out_path.is_dir()
-                          else f"{out_path} is a folder; give the path of the .pkl to write")
-    if not out_path.parent.is_dir():
-        raise ExportError(f"the parent folder of {out_path} does not exist; create it first")
+    check_output_file(out_path, {"Hugging Face folder": hf_dir}, command="export", kind=".pkl",
+                      overwrite=overwrite, error=ExportError)
     cast_to = None if dtype is None else numpy_dtype(dtype)
 
     progress(f"reading {hf_dir}")
