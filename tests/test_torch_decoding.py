@@ -215,16 +215,19 @@ def test_static_decode_step_compiles_as_one_graph(model):
     assert model._can_compile_fullgraph
 
 
+class Prefill(torch.nn.Module):
+    """The prefill forward as a module to export: (ids, mask) -> logits, no cache."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, attention_mask):
+        return self.model(input_ids, attention_mask=attention_mask, use_cache=False).logits
+
+
 def test_exported_prefill_and_decode_step_give_the_eager_logits(model):
     ids, mask = left_padded(2, 12, seed=10)
-
-    class Prefill(torch.nn.Module):
-        def __init__(self, model):
-            super().__init__()
-            self.model = model
-
-        def forward(self, input_ids, attention_mask):
-            return self.model(input_ids, attention_mask=attention_mask, use_cache=False).logits
 
     with torch.no_grad():
         full = model(ids, attention_mask=mask, use_cache=False).logits
@@ -262,14 +265,6 @@ def test_onnx_export_runs_in_onnxruntime_with_the_exact_engram_hash():
     )
     torch.manual_seed(0)
     model = NeedleForCausalLM(config).eval()
-
-    class Prefill(torch.nn.Module):
-        def __init__(self, model):
-            super().__init__()
-            self.model = model
-
-        def forward(self, input_ids, attention_mask):
-            return self.model(input_ids, attention_mask=attention_mask, use_cache=False).logits
 
     class Hash(torch.nn.Module):
         def forward(self, input_ids):
