@@ -7,7 +7,7 @@ Rows:
 - ``hf_pipeline``: `pipeline("text-generation")` over all chats with ``batch_size`` = N (one thread);
 - ``vllm dp=K``: `vllm serve FOLDER --enable-auto-tool-choice --tool-call-parser needle
   [--data-parallel-size K]`, N client threads each sending its share of the chats one after another
-  with the official `openai` client (one OpenMP thread per engine replica). Errors are failed
+  with the official `openai` client (one OpenMP thread per engine replica, unpinned). Errors are failed
   requests and answers without the expected tool call.
 
 Reported: requests, errors, generated tokens/s, p50/p99 request latency, and vLLM's speed-up over the
@@ -77,11 +77,13 @@ def vllm_row(folder, workload, clients, data_parallel_size, log_dir):
     args = ["--enable-auto-tool-choice", "--tool-call-parser", "needle", "--dtype", "float32",
             "--max-model-len", "512", "--max-num-seqs", str(clients)]
     if data_parallel_size > 1:
-        args += ["--data-parallel-size", str(data_parallel_size)]
-    # One core per replica (replica i on core i mod cores).
-    bind = "|".join(str(i % os.cpu_count()) for i in range(data_parallel_size))
+        # One API server in front of the replicas (`vllm serve` would start one per replica).
+        args += ["--data-parallel-size", str(data_parallel_size), "--api-server-count", "1"]
+    # One compute thread per replica, not pinned to a core: on a machine shared with other jobs a
+    # pinned replica waits for its core while another is idle (see the README's serving figures).
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
     log = Path(log_dir) / f"serve-dp{data_parallel_size}.log"
-    with vllm_server(folder, *args, log_path=log, env={"VLLM_CPU_OMP_THREADS_BIND": bind}) as base_url:
+    with vllm_server(folder, *args, log_path=log, env=env) as base_url:
         client = OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=600)
         model = client.models.list().data[0].id
 

