@@ -902,8 +902,8 @@ class _LayerCompiledCall:
     """The model's ``__call__`` with each decoder layer run through ``torch.compile(layer, **options)``.
 
     Every layer runs the same code on its own parameters and cache layer, so dynamo traces it once per
-    variant (with or without an engram site) and inductor compiles each variant once: seconds where a
-    whole-model graph (27 unrolled layers) takes minutes. The few ops between layers stay eager.
+    variant (a plain layer, the first engram layer, another engram layer) and inductor compiles each
+    once, instead of one graph of every layer unrolled. The few ops between layers stay eager.
     """
 
     def __init__(self, model: "NeedleForCausalLM", options: dict):
