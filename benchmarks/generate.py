@@ -1,8 +1,9 @@
 """Greedy generation speed on the Needle 2 geometry: needle-hf vs the reference, same run.
 
 Workload: `base` preset (d=512, 27 layers), float32, a 64-token prompt and 64 new tokens, batch 1
-and batch 8. Rows: our jit-compiled Flax `generate()`, our PyTorch `generate()` and a PyTorch
-static-cache decoding loop with a `torch.compile(fullgraph=True)` step (when torch is installed),
+and batch 8. Rows: our jit-compiled Flax `generate()`, our PyTorch `generate()` and PyTorch
+`generate(cache_implementation="static", compile_config=...)` (compiled decoder layers; when torch
+is installed),
 and the reference's cached decoding (decode.py). Each row runs in its own process so that compile
 time and peak RSS are its own. The bound is the all-core read bound: the weight bytes a decoding
 step must read against the bandwidth a two-thread float32 matrix-vector product reads (a 1.6 GB

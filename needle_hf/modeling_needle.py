@@ -39,6 +39,7 @@ Version notes (transformers 4.57 and 5.x):
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import warnings
@@ -50,7 +51,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 from transformers import DynamicCache, GenerationMixin, PreTrainedModel
-from transformers.cache_utils import Cache, DynamicLayer, StaticLayer
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, StaticLayer
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -374,10 +375,13 @@ class NeedleAttention(nn.Module):
         self,
         x: torch.Tensor,
         step: NeedleStepInputs,
-        cache: Optional[Cache] = None,
+        cache: Optional[Union[Cache, CacheLayerMixin]] = None,
         **attention_kwargs,
     ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """x: [B, S, d] (normed) -> ([B, S, d], attention probabilities [B, H, S, K] or None).
+
+        ``cache``: the model's KV cache, or this layer's own layer of it (a static cache's, see
+        `NeedleModel.forward`: then the layer index is not read, and one compiled layer serves all).
 
         ``attention_kwargs`` go to the attention function unchanged (e.g. ``output_attentions``, the
         varlen arguments of flash/paged kernels); `NeedleModel.forward` names the ones it passes.
@@ -390,8 +394,10 @@ class NeedleAttention(nn.Module):
         q = apply_rotary(self.q_norm(q), step.cos, step.sin)
         k = apply_rotary(self.k_norm(k), step.cos, step.sin)
         k, v = quantize_kv(k, v, self.config)  # deploy numerics hook
-        if cache is not None and self.layer_idx is not None:
-            # `cache_position` places the keys in a static cache on 4.57 (5.x layers count themselves).
+        # `cache_position` places the keys in a static cache on 4.57 (5.x layers count themselves).
+        if isinstance(cache, CacheLayerMixin):
+            k, v = cache.update(k, v, {"cache_position": step.cache_position})  # [B, KV, K, hd]
+        elif cache is not None and self.layer_idx is not None:
             k, v = cache.update(k, v, self.layer_idx, {"cache_position": step.cache_position})  # [B, KV, K, hd]
 
         implementation = self.config._attn_implementation
@@ -493,12 +499,13 @@ class NeedleHyperConnection(nn.Module):
         return alpha.float() * F.linear(unit, proj.weight.float())
 
     def route(
-        self, lanes: torch.Tensor, step: NeedleStepInputs
+        self, lanes: torch.Tensor, lane_offsets: tuple[torch.Tensor, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """lanes: [B, S, L, d] -> (read weights [B, S, L], write weights [B, S, L], mixing [B, S, L, L]), float32."""
+        """lanes: [B, S, L, d], lane_offsets: this layer's (pre, post) [L] float32 (`step.pre_offsets[i]`,
+        `step.post_offsets[i]`) -> (read weights [B, S, L], write weights [B, S, L], mixing [B, S, L, L]), float32."""
         batch, length, n, width = lanes.shape
         unit = rms_unit(lanes.reshape(batch, length, n * width), self.eps)  # [B, S, L * d]
-        pre_offset, post_offset = step.pre_offsets[self.layer_idx], step.post_offsets[self.layer_idx]  # [L]
+        pre_offset, post_offset = lane_offsets
         read = torch.sigmoid(
             self._scaled_projection(unit, self.pre_proj, self.pre_alpha) + self.pre_bias.float() + pre_offset
         )
@@ -528,11 +535,21 @@ class NeedleDecoderLayer(NeedleBlock, GradientCheckpointingLayer):
         engram_key: Optional[torch.Tensor],
         engram_value: Optional[torch.Tensor],
         step: NeedleStepInputs,
-        cache: Optional[Cache] = None,
+        cache: Optional[Union[Cache, CacheLayerMixin]] = None,
+        *,
+        lane_offsets: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
         **attention_kwargs,
     ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """lanes: [B, S, L, d]; engram_key, engram_value: [B, S, d] of this layer's engram site (or None)."""
-        read, write, mixing = self.hyper_connection.route(lanes, step)
+        """lanes: [B, S, L, d]; engram_key, engram_value: [B, S, d] of this layer's engram site (or None).
+
+        lane_offsets: this layer's rows of ``step.pre_offsets`` / ``step.post_offsets`` (default: read
+        by layer index). `NeedleModel` passes them, and a static cache's own layer as ``cache``, so a
+        compiled layer reads no per-layer constant and compiles once for all layers (`get_compiled_call`).
+        """
+        if lane_offsets is None:
+            index = self.hyper_connection.layer_idx
+            lane_offsets = (step.pre_offsets[index], step.post_offsets[index])
+        read, write, mixing = self.hyper_connection.route(lanes, lane_offsets)
         lanes_f32 = lanes.float()
         # Batched matrix products over (b, s) (what einsum would run, without its per-call planning).
         u = torch.matmul(read[:, :, None, :], lanes_f32)[:, :, 0].to(lanes.dtype)  # [B, S, d]
@@ -873,6 +890,36 @@ def _static_length(cache: Cache) -> int:
     return cache.layers[0].max_cache_len
 
 
+def _layer_caches(cache: Optional[Cache], count: int) -> list:
+    """What each of ``count`` decoder layers writes its keys into: a static cache's own layers (where
+    `Cache.update` would write them, without offloading), else the cache itself (or None)."""
+    if cache is not None and _is_static(cache) and not getattr(cache, "offloading", False) and len(cache.layers) == count:
+        return list(cache.layers)
+    return [cache] * count
+
+
+class _LayerCompiledCall:
+    """The model's ``__call__`` with each decoder layer run through ``torch.compile(layer, **options)``.
+
+    Every layer runs the same code on its own parameters and cache layer, so dynamo traces it once per
+    variant (a plain layer, the first engram layer, another engram layer) and inductor compiles each
+    once, instead of one graph of every layer unrolled. The few ops between layers stay eager.
+    """
+
+    def __init__(self, model: "NeedleForCausalLM", options: dict):
+        self.model = model
+        self.options = options
+        self.layers = tuple(torch.compile(layer, **options) for layer in model.model.layers)
+
+    def __call__(self, **inputs):
+        backbone = self.model.model
+        backbone._layer_calls = self.layers
+        try:
+            return self.model(**inputs)
+        finally:
+            backbone._layer_calls = None
+
+
 def _init_value(tensor: torch.Tensor, value) -> None:
     """Set a deterministic initial value, unless transformers marked the tensor as loaded from a checkpoint."""
     if getattr(tensor, "_is_hf_initialized", False):
@@ -1048,6 +1095,8 @@ class NeedleModel(NeedlePreTrainedModel):
         self.embed_scale = math.sqrt(config.hidden_size)
         # Constants derived from the config, kept out of the state dict: copies per (name, device, dtype).
         self._constant_copies: dict[tuple, torch.Tensor] = {}
+        # The compiled layers while a compiled decoding step runs (`NeedleForCausalLM.get_compiled_call`).
+        self._layer_calls: Optional[tuple] = None
         self.gradient_checkpointing = False
         self.post_init()
 
@@ -1249,13 +1298,17 @@ class NeedleModel(NeedlePreTrainedModel):
 
         x0 = self.embed(input_ids).to(dtype)  # [B, S, d]
         memory = self.engram_memory(input_ids, step, cache)
-        lanes = x0[:, :, None, :].expand(-1, -1, self.config.hyper_connection_lanes, -1)  # [B, S, L, d]
+        # Contiguous, like every later layer's input: a compiled layer then serves the first one too.
+        lanes = x0[:, :, None, :].expand(-1, -1, self.config.hyper_connection_lanes, -1).contiguous()  # [B, S, L, d]
 
         all_hidden = (x0,) if output_hidden_states else None
         all_attentions = () if output_attentions else None
-        for i, layer in enumerate(self.layers):
+        layer_caches = _layer_caches(cache, len(self.layers))
+        lane_offsets = zip(step.pre_offsets.unbind(0), step.post_offsets.unbind(0))
+        for i, (layer, offsets) in enumerate(zip(self._layer_calls or self.layers, lane_offsets)):
             key, value = memory.get(i, (None, None))
-            lanes, probs = layer(lanes, key, value, step, cache=cache, output_attentions=output_attentions)
+            lanes, probs = layer(lanes, key, value, step, cache=layer_caches[i], lane_offsets=offsets,
+                                 output_attentions=output_attentions)
             if output_hidden_states:
                 all_hidden += (lane_mean(lanes),)
             if output_attentions:
@@ -1433,6 +1486,26 @@ class NeedleForCausalLM(NeedlePreTrainedModel, GenerationMixin):
             return self._generate_with_drafts(inputs, generation_config, **kwargs)
         finally:
             torch.set_num_threads(previous)
+
+    def get_compiled_call(self, compile_config) -> "_LayerCompiledCall":
+        """The decoding step `generate` runs with a static cache when it compiles (``compile_config``):
+        the model with each decoder layer compiled (`_LayerCompiledCall`), not one whole-model graph.
+        The prefill stays eager, as in transformers."""
+        from transformers import CompileConfig
+
+        options = (compile_config or getattr(self.generation_config, "compile_config", None) or CompileConfig()).to_dict()
+        if getattr(self, "_compiled_call", None) is None or self._compiled_call.options != options:
+            self._compiled_call = _LayerCompiledCall(self, options)
+        return self._compiled_call
+
+    def _valid_auto_compile_criteria(self, model_kwargs: dict, generation_config) -> bool:
+        """transformers compiles the decoding step on accelerators only; on the CPU a ``compile_config``
+        passed to `generate` (with a static cache) asks for it."""
+        requested = generation_config.compile_config
+        if requested is not None and self.device.type == "cpu" and not requested._compile_all_devices:
+            generation_config.compile_config = copy.copy(requested)
+            generation_config.compile_config._compile_all_devices = True
+        return super()._valid_auto_compile_criteria(model_kwargs, generation_config)
 
     def _generate_with_drafts(self, inputs, generation_config, **kwargs):
         use_mtp = kwargs.pop("use_mtp", None)

@@ -215,6 +215,29 @@ def test_static_decode_step_compiles_as_one_graph(model):
     assert model._can_compile_fullgraph
 
 
+def test_compiled_static_generate_compiles_one_layer_for_all_layers():
+    """`generate(cache_implementation="static", compile_config=...)` on the CPU: the decoding steps run
+    compiled decoder layers (`get_compiled_call`), one graph per layer variant (the first engram layer,
+    another engram layer, a plain layer) however deep the model, and give the eager tokens."""
+    from torch._dynamo.utils import counters
+    from transformers import CompileConfig
+
+    config = NeedleConfig.from_needle_config(dict(TINY_NATIVE_CONFIG, num_layers=6))  # engram layers 0 and 2
+    torch.manual_seed(0)
+    model = NeedleForCausalLM._from_config(config).eval()
+    ids, mask = left_padded(2, 7, seed=3)
+    options = dict(max_new_tokens=6, do_sample=False, **NO_EOS)
+    compile_config = CompileConfig(fullgraph=True, dynamic=False, backend="aot_eager")
+    torch._dynamo.reset()
+    counters.clear()
+    with torch.no_grad():
+        eager = model.generate(ids, attention_mask=mask, **options)
+        compiled = model.generate(ids, attention_mask=mask, cache_implementation="static",
+                                  compile_config=compile_config, **options)
+    assert torch.equal(compiled, eager)
+    assert counters["stats"]["unique_graphs"] == 3
+
+
 class Prefill(torch.nn.Module):
     """The prefill forward as a module to export: (ids, mask) -> logits, no cache."""
 
