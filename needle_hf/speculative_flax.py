@@ -35,8 +35,8 @@ class FlaxMTPGenerateOutput:
     """`generate(use_mtp=True)` of the Flax model.
 
     sequences: [B, max_length] prompt and generated ids (pad_token_id after EOS, as `generate`).
-    drafted: steps that carried a draft; accepted: steps whose draft every row kept; forwards:
-    backbone calls after the prompt's (int32 scalars).
+    drafted: steps whose draft could be kept (the last step, with room for one token, cannot);
+    accepted: steps whose draft every row kept; forwards: backbone calls after the prompt's (int32 scalars).
     """
 
     sequences: jnp.ndarray
@@ -54,6 +54,7 @@ class _StepState(flax.struct.PyTreeNode):
     draft: jnp.ndarray  # [B] the head's guess of the token at cur_len
     drafted: jnp.ndarray
     accepted: jnp.ndarray
+    forwards: jnp.ndarray
 
 
 def _forget_second_token(after: dict, before: dict, kept) -> dict:
@@ -156,7 +157,7 @@ def mtp_greedy_generate(model, input_ids, attention_mask=None, *, max_length: in
     state = _StepState(
         cur_len=jnp.int32(prompt_length + 1), sequences=sequences, finished=ends(first), cache=cache,
         mtp_cache=mtp_cache, draft=choose(sequences, draft_logits[:, -1], prompt_length + 1),
-        drafted=jnp.int32(0), accepted=jnp.int32(0),
+        drafted=jnp.int32(0), accepted=jnp.int32(0), forwards=jnp.int32(0),
     )
 
     def unfinished(state):
@@ -168,7 +169,8 @@ def mtp_greedy_generate(model, input_ids, attention_mask=None, *, max_length: in
         positions = at + jnp.arange(2)[None, :] - padding[:, None]  # [B, 2]
         (hidden, logits), cache = backbone(state.cache, jnp.stack([last, state.draft], axis=1), positions)
         verified = jnp.where(state.finished, pad, choose(state.sequences, logits[:, 0], state.cur_len))
-        kept = (state.cur_len + 1 < max_length) & jnp.all((verified == state.draft) | state.finished)
+        room = state.cur_len + 1 < max_length  # for the token after the draft
+        kept = room & jnp.all((verified == state.draft) | state.finished)
         finished = state.finished | ends(verified)
         sequences = lax.dynamic_update_slice(state.sequences, verified[:, None], (0, state.cur_len))
         after = jnp.where(finished, pad, choose(sequences, logits[:, 1], state.cur_len + 1))
@@ -183,11 +185,12 @@ def mtp_greedy_generate(model, input_ids, attention_mask=None, *, max_length: in
         cur_len = state.cur_len + jnp.where(kept, 2, 1)
         draft = choose(sequences, jnp.where(kept, draft_logits[:, 1], draft_logits[:, 0]), cur_len)
         return _StepState(cur_len=cur_len, sequences=sequences, finished=finished, cache=cache, mtp_cache=mtp_cache,
-                          draft=draft, drafted=state.drafted + 1, accepted=state.accepted + kept.astype(jnp.int32))
+                          draft=draft, drafted=state.drafted + room.astype(jnp.int32),
+                          accepted=state.accepted + kept.astype(jnp.int32), forwards=state.forwards + 1)
 
     state = lax.while_loop(unfinished, step, state) if trace else model._run_loop_in_debug(unfinished, step, state)
     return FlaxMTPGenerateOutput(sequences=state.sequences[:, :max_length], drafted=state.drafted,
-                                 accepted=state.accepted, forwards=state.drafted)
+                                 accepted=state.accepted, forwards=state.forwards)
 
 
 __all__ = ["FlaxMTPGenerateOutput", "mtp_greedy_generate", "resolve_generation"]
