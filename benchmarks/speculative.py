@@ -70,7 +70,8 @@ def run_rows(model, prompts, new_tokens):
                 raise AssertionError(f"{name} changed the greedy tokens of prompt {i}")
             tokens += sequences.shape[1] - inputs["input_ids"].shape[1]
             if hasattr(out, "drafted"):
-                drafted, accepted, forwards = drafted + out.drafted, accepted + out.accepted, forwards + out.forwards
+                # forwards: the prompt's and the decoding steps'
+                drafted, accepted, forwards = drafted + out.drafted, accepted + out.accepted, forwards + out.forwards + 1
         results[name] = (seconds, tokens, drafted, accepted, forwards)
     return results
 
@@ -117,36 +118,97 @@ def report(title, results):
     print(f"\n{title}")
     print("| decoding | tokens/s | speed-up | acceptance | tokens per forward |")
     print("|---|---|---|---|---|")
-    base = results["plain"][1] / results["plain"][0]
+    plain = "plain" if "plain" in results else "flax plain"
+    base = results[plain][1] / results[plain][0]
     for name, (seconds, tokens, drafted, accepted, forwards) in results.items():
         rate = tokens / seconds
-        extra = (f"{accepted / drafted:.1%} | {(tokens) / max(forwards + 1, 1) * 1.0:.2f}" if drafted else "- | -")
+        extra = f"{accepted / drafted:.1%} | {tokens / forwards:.2f}" if drafted else "- | -"  # forwards: prompts' too
         print(f"| {name} | {rate:.1f} | {rate / base:.2f}x | {extra} |")
+
+
+def run_flax_rows(folder, prompts, new_tokens, pad_id):
+    """Flax rows over `prompts` (left padded to one length, so each row compiles once), both jit-compiled:
+    {row: (seconds, generated tokens, drafted, accepted, forwards)}."""
+    import jax
+    import jax.numpy as jnp
+
+    from needle_hf.modeling_flax_needle import FlaxNeedleForCausalLM
+
+    model = FlaxNeedleForCausalLM.from_pretrained(folder)
+    length = max(p["input_ids"].shape[1] for p in prompts)
+    padded = []
+    for p in prompts:
+        ids, mask = p["input_ids"].numpy(), p["attention_mask"].numpy()
+        gap = length - ids.shape[1]
+        padded.append((jnp.asarray(np.pad(ids, ((0, 0), (gap, 0)), constant_values=pad_id), jnp.int32),
+                       jnp.asarray(np.pad(mask, ((0, 0), (gap, 0))), jnp.int32)))
+    options = dict(do_sample=False, max_new_tokens=new_tokens, pad_token_id=pad_id)
+    plain = jax.jit(lambda x, m: model.generate(x, attention_mask=m, **options).sequences)
+    drafted = jax.jit(lambda x, m: model.generate(x, attention_mask=m, use_mtp=True, **options))
+    results, reference = {}, []
+    for name, fn in (("flax plain", plain), ("flax use_mtp", drafted)):
+        jax.block_until_ready(fn(*padded[0]))  # compile
+        seconds = tokens = drafts = kept = forwards = 0
+        for i, (ids, mask) in enumerate(padded):
+            began = time.perf_counter()
+            out = jax.block_until_ready(fn(ids, mask))
+            seconds += time.perf_counter() - began
+            sequences = np.asarray(out if name == "flax plain" else out.sequences)
+            if name == "flax plain":
+                reference.append(sequences)
+            elif not np.array_equal(sequences, reference[i]):
+                raise AssertionError(f"{name} changed the greedy tokens of prompt {i}")
+            # generated tokens up to and including the EOS (the rest is padding)
+            tokens += int(generated_length(sequences[0, length:], model.generation_config.eos_token_id))
+            if name != "flax plain":
+                drafts, kept, forwards = drafts + int(out.drafted), kept + int(out.accepted), forwards + int(out.forwards) + 1
+        results[name] = (seconds, tokens, drafts, kept, forwards)
+    return results
+
+
+def generated_length(tokens, eos):
+    """Tokens written up to and including the first EOS (all of them without one)."""
+    eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+    for i, token in enumerate(tokens):
+        if int(token) in eos_ids:
+            return i + 1
+    return len(tokens)
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=30)
+    parser.add_argument("--checkpoint", help="native demo checkpoint (default: the shipped one), e.g. one "
+                        "`scripts/train_demo.py --out` wrote")
     parser.add_argument("--skip-base", action="store_true")
     parser.add_argument("--skip-demo", action="store_true")
-    parser.add_argument("--mtp-steps", type=int, default=300, help="steps of MTP-head training on the demo data")
+    parser.add_argument("--flax", action="store_true", help="also the Flax rows on the demo (jit-compiled)")
+    parser.add_argument("--mtp-steps", type=int, default=0,
+                        help="steps of MTP-head-only training on the demo data before measuring again (0: none)")
     args = parser.parse_args(argv)
     import torch
     from common import load_demo_torch
     from make_demo_checkpoint import HELD_OUT_SEED, make_examples
     from transformers import AutoModelForCausalLM
 
-    model, tokenizer = load_demo_torch()
+    model, tokenizer = load_demo_torch(args.checkpoint)
     prompts = []
     for example in make_examples(args.prompts, HELD_OUT_SEED + 100):
         text = tokenizer.apply_chat_template([{"role": "user", "content": example["query"]}], tools=example["tools"],
                                              add_generation_prompt=True, tokenize=False)
         prompts.append(tokenizer(text, return_tensors="pt", add_special_tokens=False))
     if not args.skip_demo:
-        report(f"demo: {len(prompts)} held-out prompts, up to 48 new tokens", run_rows(model, prompts, 48))
-        loss = train_mtp_head(model, tokenizer, steps=args.mtp_steps)
-        report(f"demo with its MTP head trained here ({args.mtp_steps} steps, final MTP loss {loss:.3f})",
-               run_rows(model, prompts, 48))
+        name = args.checkpoint or "the shipped demo"
+        report(f"demo ({name}): {len(prompts)} held-out prompts, up to 48 new tokens", run_rows(model, prompts, 48))
+        if args.flax:
+            folder = tempfile.mkdtemp()
+            model.save_pretrained(folder)
+            report(f"demo ({name}), Flax: the same prompts left padded to one length",
+                   run_flax_rows(folder, prompts, 48, tokenizer.pad_token_id))
+        if args.mtp_steps:
+            loss = train_mtp_head(model, tokenizer, steps=args.mtp_steps)
+            report(f"demo with its MTP head trained here ({args.mtp_steps} steps, final MTP loss {loss:.3f})",
+                   run_rows(model, prompts, 48))
 
     if not args.skip_base:
         from common import make_base_checkpoint
@@ -160,6 +222,7 @@ def main(argv=None):
         base.generation_config.eos_token_id = 1  # prompt lookup needs one; random weights rarely write it
         base.generation_config.pad_token_id = 0
         report("Needle 2 geometry, random weights: 64-token prompt, 64 new tokens", run_rows(base, [inputs], 64))
+    print(f"\nload average (1, 5, 15 min): {os.getloadavg()}")
 
 
 if __name__ == "__main__":
