@@ -51,29 +51,28 @@ def run_rows(model, prompts, new_tokens):
 
     rows = {"plain": {}, "use_mtp": {"use_mtp": True, "return_dict_in_generate": True},
             "prompt lookup": {"prompt_lookup_num_tokens": 10}}
-    results = {}
-    reference = []
-    for name, options in rows.items():
-        seconds = tokens = drafted = accepted = forwards = 0
-        for i, inputs in enumerate(prompts):
+    totals = {name: [0.0, 0, 0, 0, 0] for name in rows}  # seconds, tokens, drafted, accepted, forwards
+    # Prompt by prompt, every row in turn: a load that drifts during the run weighs on all rows alike.
+    for i, inputs in enumerate(prompts):
+        reference = None
+        for name, options in rows.items():
             model.generate(**inputs, do_sample=False, max_new_tokens=2, **options)  # warm the shapes
             began = time.perf_counter()
             with torch.no_grad():
                 out = model.generate(**inputs, do_sample=False, max_new_tokens=new_tokens, **options)
-            seconds += time.perf_counter() - began
+            total = totals[name]
+            total[0] += time.perf_counter() - began
             sequences = out.sequences if hasattr(out, "drafted") else out
             # transformers 4.57's prompt lookup can overshoot max_new_tokens by a few tokens; compare the budget.
             sequences = sequences[:, : inputs["input_ids"].shape[1] + new_tokens]
-            if name == "plain":
-                reference.append(sequences)
-            elif not torch.equal(sequences, reference[i]):
+            if reference is None:
+                reference = sequences
+            elif not torch.equal(sequences, reference):
                 raise AssertionError(f"{name} changed the greedy tokens of prompt {i}")
-            tokens += sequences.shape[1] - inputs["input_ids"].shape[1]
-            if hasattr(out, "drafted"):
-                # forwards: the prompt's and the decoding steps'
-                drafted, accepted, forwards = drafted + out.drafted, accepted + out.accepted, forwards + out.forwards + 1
-        results[name] = (seconds, tokens, drafted, accepted, forwards)
-    return results
+            total[1] += sequences.shape[1] - inputs["input_ids"].shape[1]
+            if hasattr(out, "drafted"):  # forwards: the prompt's and the decoding steps'
+                total[2], total[3], total[4] = total[2] + out.drafted, total[3] + out.accepted, total[4] + out.forwards + 1
+    return {name: tuple(total) for name, total in totals.items()}
 
 
 def train_mtp_head(model, tokenizer, *, steps: int, batch: int = 16, seed: int = 0):

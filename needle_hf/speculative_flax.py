@@ -132,8 +132,9 @@ def mtp_greedy_generate(model, input_ids, attention_mask=None, *, max_length: in
                                         method=FlaxNeedleForCausalLMModule.hidden_and_logits, mutable=["cache"])
         return outputs, updated["cache"]
 
-    def mtp(kv, hidden, next_ids, positions):
-        return module.apply({"params": params}, hidden, next_ids, positions, mask, kv,
+    def mtp(kv, hidden, next_ids, positions, pick):
+        """-> (MTP logits [B, V] of new position ``pick``, the MTP cache)."""
+        return module.apply({"params": params}, hidden, next_ids, positions, mask, kv, pick,
                             method=FlaxNeedleForCausalLMModule.mtp_draft_logits)
 
     def choose(sequences, logits, cur_len):
@@ -153,10 +154,10 @@ def mtp_greedy_generate(model, input_ids, attention_mask=None, *, max_length: in
     empty = jnp.zeros((batch, cfg.num_key_value_heads, cfg.head_dim, slots), model.dtype)
     mtp_cache = LayerKVCache(empty, empty.transpose(0, 1, 3, 2), jnp.int32(0))
     next_ids = sequences[:, 1 : prompt_length + 1]
-    draft_logits, mtp_cache = mtp(mtp_cache, hidden, next_ids, positions)
+    draft_logits, mtp_cache = mtp(mtp_cache, hidden, next_ids, positions, prompt_length - 1)
     state = _StepState(
         cur_len=jnp.int32(prompt_length + 1), sequences=sequences, finished=ends(first), cache=cache,
-        mtp_cache=mtp_cache, draft=choose(sequences, draft_logits[:, -1], prompt_length + 1),
+        mtp_cache=mtp_cache, draft=choose(sequences, draft_logits, prompt_length + 1),
         drafted=jnp.int32(0), accepted=jnp.int32(0), forwards=jnp.int32(0),
     )
 
@@ -181,9 +182,10 @@ def mtp_greedy_generate(model, input_ids, attention_mask=None, *, max_length: in
         # MTP over both positions; after a rejection the second is the rejected draft's, forgotten
         # by moving the MTP cache position back (its slot is written again next step).
         next_ids = jnp.stack([verified, jnp.where(kept, after, verified)], axis=1)
-        draft_logits, mtp_cache = mtp(state.mtp_cache._replace(write_index=at), hidden, next_ids, positions)
+        draft_logits, mtp_cache = mtp(state.mtp_cache._replace(write_index=at), hidden, next_ids, positions,
+                                      kept.astype(jnp.int32))
         cur_len = state.cur_len + jnp.where(kept, 2, 1)
-        draft = choose(sequences, jnp.where(kept, draft_logits[:, 1], draft_logits[:, 0]), cur_len)
+        draft = choose(sequences, draft_logits, cur_len)
         return _StepState(cur_len=cur_len, sequences=sequences, finished=finished, cache=cache, mtp_cache=mtp_cache,
                           draft=draft, drafted=state.drafted + room.astype(jnp.int32),
                           accepted=state.accepted + kept.astype(jnp.int32), forwards=state.forwards + 1)
