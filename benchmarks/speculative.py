@@ -1,4 +1,4 @@
-"""Decoding with drafts (PyTorch, greedy, batch 1): MTP self-speculation and prompt lookup vs plain.
+"""Decoding with drafts (PyTorch and Flax, greedy, batch 1): MTP self-speculation and prompt lookup vs plain.
 
 Rows: plain `generate`, `generate(use_mtp=True)` (the MTP head drafts t+2, the backbone verifies),
 `generate(prompt_lookup_num_tokens=10)` (transformers' n-gram lookup in the prompt). Workloads: held-out
@@ -7,27 +7,32 @@ demo prompts (`scripts/make_demo_checkpoint.py`), and the Needle 2 geometry with
 tokens/s, the speed-up, and for MTP the acceptance rate (drafts kept / drafts made) and the tokens
 per backbone forward.
 
-    .venv/bin/python benchmarks/speculative.py [--prompts 30] [--skip-base]
+    .venv/bin/python benchmarks/speculative.py [--checkpoint PKL] [--flax] [--prompts 30] [--skip-base] [--mtp-steps N]
 
-The demo checkpoint's MTP head is not trained (the demo script trains the next-token path only), so
-the run also fits that head alone on the demo's training data (`train_mtp_head`, backbone frozen)
-and measures again. Every row wrote exactly the plain greedy tokens in every run.
+`--checkpoint` measures another native demo checkpoint (e.g. `scripts/train_demo.py --out /tmp/d/x.pkl`,
+whose fine-tuning trains the MTP head too); `--flax` adds the jit-compiled Flax rows (the prompts left
+padded to one length, so each row compiles once); `--mtp-steps N` fits the MTP head alone
+(`train_mtp_head`, backbone frozen) on the demo data and measures again, for a checkpoint whose head
+is untrained. The rows run prompt by prompt, in turn, so a drifting load weighs on all alike; tokens
+per forward counts each prompt's own forward too. Every row wrote exactly the plain greedy tokens in
+every run.
 
-Recorded runs (transformers 4.57, one torch thread, on 2 CPU cores shared with other jobs: load
-average 12-14, so tokens/s and speed-ups are noisy; acceptance and tokens per forward are not):
+Recorded runs (transformers 4.57, one torch thread, 2 CPU cores shared with other jobs, load average
+6-8: tokens/s and speed-ups are noisy; acceptance and tokens per forward are not):
 
-| workload                                   | decoding      | speed-up | acceptance | tokens/forward |
-|--------------------------------------------|---------------|---------:|-----------:|---------------:|
-| demo, MTP head as shipped (untrained)      | use_mtp       |    0.71x |       0.8% |           1.04 |
-| demo, MTP head as shipped (untrained)      | prompt lookup |    1.35x |          - |              - |
-| demo, MTP head trained here (150 steps)    | use_mtp       |    1.33x |      72.2% |           1.75 |
-| demo, MTP head trained here (150 steps)    | prompt lookup |    1.44x |          - |              - |
-| Needle 2 geometry, random weights          | use_mtp       |    0.94x |       0.0% |           1.00 |
-| Needle 2 geometry, random weights          | prompt lookup |    6.83x |          - |              - |
+| workload                                          | decoding      | speed-up | acceptance | tokens/forward |
+|---------------------------------------------------|---------------|---------:|-----------:|---------------:|
+| demo trained by `train_demo.py` (240 steps)       | use_mtp       |    1.66x |     100.0% |           1.90 |
+| demo trained by `train_demo.py` (240 steps)       | prompt lookup |    1.52x |          - |              - |
+| the same, Flax (jit-compiled)                     | use_mtp       |    1.33x |     100.0% |           1.90 |
+| Needle 2 geometry, random weights                 | use_mtp       |    0.94x |       0.0% |           1.00 |
+| Needle 2 geometry, random weights                 | prompt lookup |    4.10x |          - |              - |
 
-(The random Needle 2 model repeats one token, which prompt lookup finds in its own output.) The MTP
-step's cost over plain decoding is the second token of the backbone forward plus the one-block MTP
-forward, so the speed-up approaches tokens/forward as the backbone dominates.
+(The random Needle 2 model repeats one token, which prompt lookup finds in its own output.) An MTP
+step costs a plain step plus the second token of the backbone forward and the one-block MTP forward
+(which reuses the backbone call's masks and rotary tables), so the speed-up approaches tokens per
+forward as the backbone dominates. An earlier run, before the head shared the step inputs, gave
+1.33x at 72% acceptance (head trained alone for 150 steps).
 """
 
 from __future__ import annotations
