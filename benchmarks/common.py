@@ -30,8 +30,9 @@ def make_base_checkpoint(folder: str, seed: int = 0, with_heads: bool = False):
     return params, dict(BASE_NATIVE_CONFIG)
 
 
-def load_demo_torch():
-    """(PyTorch model, tokenizer) of the shipped demo checkpoint, converted into a temporary folder; one torch thread."""
+def load_demo_torch(checkpoint: str = None):
+    """(PyTorch model, tokenizer) of the shipped demo checkpoint (or another native demo checkpoint, such
+    as one `scripts/train_demo.py --out` wrote), converted into a temporary folder; one torch thread."""
     import tempfile
 
     import torch
@@ -42,7 +43,7 @@ def load_demo_torch():
 
     torch.set_num_threads(1)
     folder = os.path.join(tempfile.mkdtemp(), "demo")
-    convert(os.path.join(REPO, "scripts", "demo", "needle2-demo.pkl"), folder,
+    convert(checkpoint or os.path.join(REPO, "scripts", "demo", "needle2-demo.pkl"), folder,
             tokenizer=os.path.join(REPO, "scripts", "demo", "tokenizer.model"))
     return AutoModelForCausalLM.from_pretrained(folder).eval(), AutoTokenizer.from_pretrained(folder)
 

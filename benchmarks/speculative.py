@@ -1,4 +1,4 @@
-"""Decoding with drafts (PyTorch, greedy, batch 1): MTP self-speculation and prompt lookup vs plain.
+"""Decoding with drafts (PyTorch and Flax, greedy, batch 1): MTP self-speculation and prompt lookup vs plain.
 
 Rows: plain `generate`, `generate(use_mtp=True)` (the MTP head drafts t+2, the backbone verifies),
 `generate(prompt_lookup_num_tokens=10)` (transformers' n-gram lookup in the prompt). Workloads: held-out
@@ -7,27 +7,32 @@ demo prompts (`scripts/make_demo_checkpoint.py`), and the Needle 2 geometry with
 tokens/s, the speed-up, and for MTP the acceptance rate (drafts kept / drafts made) and the tokens
 per backbone forward.
 
-    .venv/bin/python benchmarks/speculative.py [--prompts 30] [--skip-base]
+    .venv/bin/python benchmarks/speculative.py [--checkpoint PKL] [--flax] [--prompts 30] [--skip-base] [--mtp-steps N]
 
-The demo checkpoint's MTP head is not trained (the demo script trains the next-token path only), so
-the run also fits that head alone on the demo's training data (`train_mtp_head`, backbone frozen)
-and measures again. Every row wrote exactly the plain greedy tokens in every run.
+`--checkpoint` measures another native demo checkpoint (e.g. `scripts/train_demo.py --out /tmp/d/x.pkl`,
+whose fine-tuning trains the MTP head too); `--flax` adds the jit-compiled Flax rows (the prompts left
+padded to one length, so each row compiles once); `--mtp-steps N` fits the MTP head alone
+(`train_mtp_head`, backbone frozen) on the demo data and measures again, for a checkpoint whose head
+is untrained. The rows run prompt by prompt, in turn, so a drifting load weighs on all alike; tokens
+per forward counts each prompt's own forward too. Every row wrote exactly the plain greedy tokens in
+every run.
 
-Recorded runs (transformers 4.57, one torch thread, on 2 CPU cores shared with other jobs: load
-average 12-14, so tokens/s and speed-ups are noisy; acceptance and tokens per forward are not):
+Recorded runs (transformers 4.57, one torch thread, 2 CPU cores shared with other jobs, load average
+6-8: tokens/s and speed-ups are noisy; acceptance and tokens per forward are not):
 
-| workload                                   | decoding      | speed-up | acceptance | tokens/forward |
-|--------------------------------------------|---------------|---------:|-----------:|---------------:|
-| demo, MTP head as shipped (untrained)      | use_mtp       |    0.71x |       0.8% |           1.04 |
-| demo, MTP head as shipped (untrained)      | prompt lookup |    1.35x |          - |              - |
-| demo, MTP head trained here (150 steps)    | use_mtp       |    1.33x |      72.2% |           1.75 |
-| demo, MTP head trained here (150 steps)    | prompt lookup |    1.44x |          - |              - |
-| Needle 2 geometry, random weights          | use_mtp       |    0.94x |       0.0% |           1.00 |
-| Needle 2 geometry, random weights          | prompt lookup |    6.83x |          - |              - |
+| workload                                          | decoding      | speed-up | acceptance | tokens/forward |
+|---------------------------------------------------|---------------|---------:|-----------:|---------------:|
+| demo trained by `train_demo.py` (240 steps)       | use_mtp       |    1.66x |     100.0% |           1.90 |
+| demo trained by `train_demo.py` (240 steps)       | prompt lookup |    1.52x |          - |              - |
+| the same, Flax (jit-compiled)                     | use_mtp       |    1.33x |     100.0% |           1.90 |
+| Needle 2 geometry, random weights                 | use_mtp       |    0.94x |       0.0% |           1.00 |
+| Needle 2 geometry, random weights                 | prompt lookup |    4.10x |          - |              - |
 
-(The random Needle 2 model repeats one token, which prompt lookup finds in its own output.) The MTP
-step's cost over plain decoding is the second token of the backbone forward plus the one-block MTP
-forward, so the speed-up approaches tokens/forward as the backbone dominates.
+(The random Needle 2 model repeats one token, which prompt lookup finds in its own output.) An MTP
+step costs a plain step plus the second token of the backbone forward and the one-block MTP forward
+(which reuses the backbone call's masks and rotary tables), so the speed-up approaches tokens per
+forward as the backbone dominates. An earlier run, before the head shared the step inputs, gave
+1.33x at 72% acceptance (head trained alone for 150 steps).
 """
 
 from __future__ import annotations
@@ -51,28 +56,28 @@ def run_rows(model, prompts, new_tokens):
 
     rows = {"plain": {}, "use_mtp": {"use_mtp": True, "return_dict_in_generate": True},
             "prompt lookup": {"prompt_lookup_num_tokens": 10}}
-    results = {}
-    reference = []
-    for name, options in rows.items():
-        seconds = tokens = drafted = accepted = forwards = 0
-        for i, inputs in enumerate(prompts):
+    totals = {name: [0.0, 0, 0, 0, 0] for name in rows}  # seconds, tokens, drafted, accepted, forwards
+    # Prompt by prompt, every row in turn: a load that drifts during the run weighs on all rows alike.
+    for i, inputs in enumerate(prompts):
+        reference = None
+        for name, options in rows.items():
             model.generate(**inputs, do_sample=False, max_new_tokens=2, **options)  # warm the shapes
             began = time.perf_counter()
             with torch.no_grad():
                 out = model.generate(**inputs, do_sample=False, max_new_tokens=new_tokens, **options)
-            seconds += time.perf_counter() - began
+            total = totals[name]
+            total[0] += time.perf_counter() - began
             sequences = out.sequences if hasattr(out, "drafted") else out
             # transformers 4.57's prompt lookup can overshoot max_new_tokens by a few tokens; compare the budget.
             sequences = sequences[:, : inputs["input_ids"].shape[1] + new_tokens]
-            if name == "plain":
-                reference.append(sequences)
-            elif not torch.equal(sequences, reference[i]):
+            if reference is None:
+                reference = sequences
+            elif not torch.equal(sequences, reference):
                 raise AssertionError(f"{name} changed the greedy tokens of prompt {i}")
-            tokens += sequences.shape[1] - inputs["input_ids"].shape[1]
-            if hasattr(out, "drafted"):
-                drafted, accepted, forwards = drafted + out.drafted, accepted + out.accepted, forwards + out.forwards
-        results[name] = (seconds, tokens, drafted, accepted, forwards)
-    return results
+            total[1] += sequences.shape[1] - inputs["input_ids"].shape[1]
+            if hasattr(out, "drafted"):  # forwards: the prompt's and the decoding steps'
+                total[2], total[3], total[4] = total[2] + out.drafted, total[3] + out.accepted, total[4] + out.forwards + 1
+    return {name: tuple(total) for name, total in totals.items()}
 
 
 def train_mtp_head(model, tokenizer, *, steps: int, batch: int = 16, seed: int = 0):
@@ -117,36 +122,97 @@ def report(title, results):
     print(f"\n{title}")
     print("| decoding | tokens/s | speed-up | acceptance | tokens per forward |")
     print("|---|---|---|---|---|")
-    base = results["plain"][1] / results["plain"][0]
+    plain = "plain" if "plain" in results else "flax plain"
+    base = results[plain][1] / results[plain][0]
     for name, (seconds, tokens, drafted, accepted, forwards) in results.items():
         rate = tokens / seconds
-        extra = (f"{accepted / drafted:.1%} | {(tokens) / max(forwards + 1, 1) * 1.0:.2f}" if drafted else "- | -")
+        extra = f"{accepted / drafted:.1%} | {tokens / forwards:.2f}" if drafted else "- | -"  # forwards: prompts' too
         print(f"| {name} | {rate:.1f} | {rate / base:.2f}x | {extra} |")
+
+
+def run_flax_rows(folder, prompts, new_tokens, pad_id):
+    """Flax rows over `prompts` (left padded to one length, so each row compiles once), both jit-compiled:
+    {row: (seconds, generated tokens, drafted, accepted, forwards)}."""
+    import jax
+    import jax.numpy as jnp
+
+    from needle_hf.modeling_flax_needle import FlaxNeedleForCausalLM
+
+    model = FlaxNeedleForCausalLM.from_pretrained(folder)
+    length = max(p["input_ids"].shape[1] for p in prompts)
+    padded = []
+    for p in prompts:
+        ids, mask = p["input_ids"].numpy(), p["attention_mask"].numpy()
+        gap = length - ids.shape[1]
+        padded.append((jnp.asarray(np.pad(ids, ((0, 0), (gap, 0)), constant_values=pad_id), jnp.int32),
+                       jnp.asarray(np.pad(mask, ((0, 0), (gap, 0))), jnp.int32)))
+    options = dict(do_sample=False, max_new_tokens=new_tokens, pad_token_id=pad_id)
+    plain = jax.jit(lambda x, m: model.generate(x, attention_mask=m, **options).sequences)
+    drafted = jax.jit(lambda x, m: model.generate(x, attention_mask=m, use_mtp=True, **options))
+    results, reference = {}, []
+    for name, fn in (("flax plain", plain), ("flax use_mtp", drafted)):
+        jax.block_until_ready(fn(*padded[0]))  # compile
+        seconds = tokens = drafts = kept = forwards = 0
+        for i, (ids, mask) in enumerate(padded):
+            began = time.perf_counter()
+            out = jax.block_until_ready(fn(ids, mask))
+            seconds += time.perf_counter() - began
+            sequences = np.asarray(out if name == "flax plain" else out.sequences)
+            if name == "flax plain":
+                reference.append(sequences)
+            elif not np.array_equal(sequences, reference[i]):
+                raise AssertionError(f"{name} changed the greedy tokens of prompt {i}")
+            # generated tokens up to and including the EOS (the rest is padding)
+            tokens += int(generated_length(sequences[0, length:], model.generation_config.eos_token_id))
+            if name != "flax plain":
+                drafts, kept, forwards = drafts + int(out.drafted), kept + int(out.accepted), forwards + int(out.forwards) + 1
+        results[name] = (seconds, tokens, drafts, kept, forwards)
+    return results
+
+
+def generated_length(tokens, eos):
+    """Tokens written up to and including the first EOS (all of them without one)."""
+    eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+    for i, token in enumerate(tokens):
+        if int(token) in eos_ids:
+            return i + 1
+    return len(tokens)
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=30)
+    parser.add_argument("--checkpoint", help="native demo checkpoint (default: the shipped one), e.g. one "
+                        "`scripts/train_demo.py --out` wrote")
     parser.add_argument("--skip-base", action="store_true")
     parser.add_argument("--skip-demo", action="store_true")
-    parser.add_argument("--mtp-steps", type=int, default=300, help="steps of MTP-head training on the demo data")
+    parser.add_argument("--flax", action="store_true", help="also the Flax rows on the demo (jit-compiled)")
+    parser.add_argument("--mtp-steps", type=int, default=0,
+                        help="steps of MTP-head-only training on the demo data before measuring again (0: none)")
     args = parser.parse_args(argv)
     import torch
     from common import load_demo_torch
     from make_demo_checkpoint import HELD_OUT_SEED, make_examples
     from transformers import AutoModelForCausalLM
 
-    model, tokenizer = load_demo_torch()
+    model, tokenizer = load_demo_torch(args.checkpoint)
     prompts = []
     for example in make_examples(args.prompts, HELD_OUT_SEED + 100):
         text = tokenizer.apply_chat_template([{"role": "user", "content": example["query"]}], tools=example["tools"],
                                              add_generation_prompt=True, tokenize=False)
         prompts.append(tokenizer(text, return_tensors="pt", add_special_tokens=False))
     if not args.skip_demo:
-        report(f"demo: {len(prompts)} held-out prompts, up to 48 new tokens", run_rows(model, prompts, 48))
-        loss = train_mtp_head(model, tokenizer, steps=args.mtp_steps)
-        report(f"demo with its MTP head trained here ({args.mtp_steps} steps, final MTP loss {loss:.3f})",
-               run_rows(model, prompts, 48))
+        name = args.checkpoint or "the shipped demo"
+        report(f"demo ({name}): {len(prompts)} held-out prompts, up to 48 new tokens", run_rows(model, prompts, 48))
+        if args.flax:
+            folder = tempfile.mkdtemp()
+            model.save_pretrained(folder)
+            report(f"demo ({name}), Flax: the same prompts left padded to one length",
+                   run_flax_rows(folder, prompts, 48, tokenizer.pad_token_id))
+        if args.mtp_steps:
+            loss = train_mtp_head(model, tokenizer, steps=args.mtp_steps)
+            report(f"demo with its MTP head trained here ({args.mtp_steps} steps, final MTP loss {loss:.3f})",
+                   run_rows(model, prompts, 48))
 
     if not args.skip_base:
         from common import make_base_checkpoint
@@ -160,6 +226,7 @@ def main(argv=None):
         base.generation_config.eos_token_id = 1  # prompt lookup needs one; random weights rarely write it
         base.generation_config.pad_token_id = 0
         report("Needle 2 geometry, random weights: 64-token prompt, 64 new tokens", run_rows(base, [inputs], 64))
+    print(f"\nload average (1, 5, 15 min): {os.getloadavg()}")
 
 
 if __name__ == "__main__":

@@ -763,10 +763,15 @@ class FlaxNeedleMTPHead(nn.Module):
 
     def __call__(self, hidden, next_token_embeddings, cos, sin, key_mask):
         """hidden [B, T, D] (final-normed), next_token_embeddings [B, T, D] -> [B, T, D]."""
+        return self.cached(hidden, next_token_embeddings, cos, sin, key_mask, kv_cache=None)[0]
+
+    def cached(self, hidden, next_token_embeddings, cos, sin, key_mask, *, kv_cache: Optional[LayerKVCache]):
+        """As `__call__`, the block attending over its own cache (MTP decoding) -> ([B, T, D], kv_cache)."""
         combined = jnp.concatenate([hidden, self.embed_norm(next_token_embeddings)], axis=-1)
         combined = quantize_activations(combined, self.config)  # deploy numerics hook
         m = self.combine_proj(combined)
-        return self.norm(self.block(m, cos, sin, key_mask))
+        out, kv_cache, _ = self.block.block(m, cos, sin, key_mask, kv_cache=kv_cache)
+        return self.norm(out), kv_cache
 
 
 class FlaxNeedleContrastiveHead(nn.Module):
@@ -861,6 +866,21 @@ class FlaxNeedleForCausalLMModule(nn.Module):
         cos, sin = rope_tables(position_ids, cfg.head_dim, cfg.rope_theta)
         key_mask = attention_allowed(attention_mask, 0, input_ids.shape[1], window=self.config.attention_window)
         return self.logits(self.mtp(hidden, self.model.embed(next_ids), cos, sin, key_mask))
+
+    def hidden_and_logits(self, input_ids, attention_mask, position_ids):
+        """Final-normed hidden [B, T, D] and logits [B, T, V] (MTP decoding drafts from the hidden states)."""
+        hidden = self.model(input_ids, attention_mask, position_ids).last_hidden_state
+        return hidden, self.logits(hidden)
+
+    def mtp_draft_logits(self, hidden, next_ids, position_ids, attention_mask, kv_cache: LayerKVCache, pick):
+        """MTP logits [B, V] of new position ``pick`` (may be traced) of T at ``kv_cache.write_index``, the
+        MTP block over its own cache: hidden [B, T, D] and the ids of the tokens after them [B, T];
+        attention_mask [B, S]. -> (logits, kv_cache)."""
+        cfg = self.config
+        cos, sin = rope_tables(position_ids, cfg.head_dim, cfg.rope_theta)
+        key_mask = attention_allowed(attention_mask, kv_cache.write_index, next_ids.shape[1], window=cfg.attention_window)
+        predicted, kv_cache = self.mtp.cached(hidden, self.model.embed(next_ids), cos, sin, key_mask, kv_cache=kv_cache)
+        return self.logits(jax.lax.dynamic_index_in_dim(predicted, pick, axis=1, keepdims=False)), kv_cache
 
     def _touch_heads(self, input_ids):
         if self.contrastive_head is not None:
@@ -1253,6 +1273,23 @@ class FlaxNeedleForCausalLM(FlaxNeedlePreTrainedModel):
         model_kwargs["past_key_values"] = model_outputs.past_key_values
         model_kwargs["position_ids"] = model_kwargs["position_ids"][:, -1:] + 1
         return model_kwargs
+
+    def generate(self, input_ids, generation_config=None, prng_key=None, trace: bool = True, params=None,
+                 logits_processor=None, *, use_mtp: Optional[bool] = None, **kwargs):
+        """`FlaxGenerationMixin.generate`; with ``use_mtp=True`` (argument or generation config), greedy
+        decoding with MTP self-speculation (`speculative_flax`): the same tokens, fewer backbone
+        forwards, returned as a `FlaxMTPGenerateOutput` (sequences and draft counts)."""
+        if use_mtp is None:
+            use_mtp = getattr(generation_config if generation_config is not None else self.generation_config,
+                              "use_mtp", None)
+        if not use_mtp:
+            return super().generate(input_ids, generation_config, prng_key, trace, params, logits_processor, **kwargs)
+        from .speculative_flax import mtp_greedy_generate, resolve_generation
+
+        max_length, eos, pad, processors, mask = resolve_generation(self, input_ids, generation_config,
+                                                                    logits_processor, kwargs)
+        return mtp_greedy_generate(self, input_ids, mask, max_length=max_length, eos_token_id=eos,
+                                   pad_token_id=pad, logits_processor=processors, params=params, trace=trace)
 
     def _apply_method(self, method, input_ids, attention_mask, params):
         input_ids = jnp.asarray(input_ids, "i4")

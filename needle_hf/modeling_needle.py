@@ -1294,9 +1294,29 @@ class NeedleModel(NeedlePreTrainedModel):
         window = self.config.attention_window if attention_window is None else int(attention_window)
         step = self.step_inputs(batch, length, cache_position, key_length, attention_mask, position_ids,
                                 attention_window=window)
-        dtype = self.embed_tokens.weight.dtype
+        hidden, all_hidden, all_attentions = self.forward_with_step_inputs(
+            input_ids, step, cache, output_hidden_states=output_hidden_states, output_attentions=output_attentions
+        )
+        output = BaseModelOutputWithPast(
+            last_hidden_state=hidden,
+            hidden_states=all_hidden,
+            attentions=all_attentions,
+            **{_BASE_CACHE_OUTPUT_FIELD: cache},
+        )
+        return output if return_dict else output.to_tuple()
 
-        x0 = self.embed(input_ids).to(dtype)  # [B, S, d]
+    def forward_with_step_inputs(
+        self,
+        input_ids: torch.Tensor,
+        step: NeedleStepInputs,
+        cache: Optional[Cache],
+        *,
+        output_hidden_states: bool = False,
+        output_attentions: bool = False,
+    ) -> tuple[torch.Tensor, Optional[tuple], Optional[tuple]]:
+        """The layers over ``input_ids`` [B, S] with the call's `step_inputs` already made (MTP decoding
+        shares them with its head) -> (final-normed hidden [B, S, d], hidden states or None, attentions or None)."""
+        x0 = self.embed(input_ids).to(self.embed_tokens.weight.dtype)  # [B, S, d]
         memory = self.engram_memory(input_ids, step, cache)
         # Contiguous, like every later layer's input: a compiled layer then serves the first one too.
         lanes = x0[:, :, None, :].expand(-1, -1, self.config.hyper_connection_lanes, -1).contiguous()  # [B, S, L, d]
@@ -1313,15 +1333,7 @@ class NeedleModel(NeedlePreTrainedModel):
                 all_hidden += (lane_mean(lanes),)
             if output_attentions:
                 all_attentions += (probs,)
-        hidden = self.norm(lane_mean(lanes))
-
-        output = BaseModelOutputWithPast(
-            last_hidden_state=hidden,
-            hidden_states=all_hidden,
-            attentions=all_attentions,
-            **{_BASE_CACHE_OUTPUT_FIELD: cache},
-        )
-        return output if return_dict else output.to_tuple()
+        return self.norm(lane_mean(lanes)), all_hidden, all_attentions
 
 
 # --------------------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """Decoding with drafts: MTP self-speculation (`generate(use_mtp=True)`) and prompt lookup.
 
-Both must write exactly the tokens of plain greedy decoding. A random MTP head drafts badly (every
+Both must write exactly the tokens of plain greedy decoding, and MTP sampling must keep the plain
+sampling distribution. A random MTP head drafts badly (every
 draft rejected), so the MTP tests also set the head to copy the last token (`_copying_mtp`): real
 weights whose drafts hold exactly where the text repeats a token, which makes both paths run
 (two tokens kept; draft rejected and its cache entry cropped), alone and interleaved.
@@ -13,7 +14,7 @@ import pytest
 import torch
 from needle_reference import TINY_NATIVE_CONFIG, make_native_params
 from test_pipeline import demo_folder  # noqa: F401  (fixture: the demo as a HF folder)
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessorList, TopKLogitsWarper
 
 from needle_hf.configuration_needle import NeedleConfig
 from needle_hf.modeling_needle import NeedleForCausalLM
@@ -121,10 +122,64 @@ def test_mtp_speculation_with_the_attention_window():
 def test_mtp_speculation_refuses_what_it_would_ignore():
     model = _model(seed=1, copying_mtp=False)
     ids, mask = _left_padded_batch()
-    with pytest.raises(ValueError, match="do_sample must be False"):
-        model.generate(ids, use_mtp=True, do_sample=True, max_new_tokens=4)
     with pytest.raises(ValueError, match="num_beams must be 1"):
         model.generate(ids, use_mtp=True, num_beams=2, max_new_tokens=4)
+    with pytest.raises(ValueError, match="does not take logits_processor"):
+        model.generate(ids, use_mtp=True, logits_processor=LogitsProcessorList([TopKLogitsWarper(2)]), max_new_tokens=4)
+
+
+SAMPLING = dict(do_sample=True, top_k=4, temperature=0.8, eos_token_id=None, pad_token_id=0)
+
+
+def _joint_counts(*samples: torch.Tensor) -> np.ndarray:
+    """Counts [len(samples), cells] of each distinct row of tokens; cells seen fewer than 10 times in
+    all pooled into one, so a chi-square test applies."""
+    cells: dict = {}
+    for row in torch.cat(samples).tolist():
+        cells.setdefault(tuple(row), len(cells))
+    counts = np.zeros((len(samples), len(cells)))
+    for i, sample in enumerate(samples):
+        for row in sample.tolist():
+            counts[i, cells[tuple(row)]] += 1
+    frequent = counts.sum(0) >= 10
+    return np.concatenate([counts[:, frequent], counts[:, ~frequent].sum(1, keepdims=True)], axis=1)
+
+
+def test_mtp_sampling_keeps_the_sampling_distribution():
+    # 2000 rows of one 3-token prompt, 4 new tokens each: the first from the prompt's forward, the next
+    # two through a draft each (kept with probability min(1, p/q), else drawn from the residual; the
+    # copying head's drafts are kept in some rows and rejected in others), the last plainly. The joint
+    # distribution of the 4 tokens must be that of plain sampling. (Drawing rejections from p instead of
+    # the residual fails this test with a p-value of about 1e-61.)
+    from scipy.stats import chi2_contingency
+
+    model = _model(seed=1, copying_mtp=True)
+    ids = _left_padded_batch()[0][:1, -3:].repeat(2000, 1)
+    torch.manual_seed(0)
+    plain = model.generate(ids, max_new_tokens=4, **SAMPLING)[:, 3:]
+    torch.manual_seed(1)
+    drafted = model.generate(ids, max_new_tokens=4, use_mtp=True, **SAMPLING)[:, 3:]
+    table = _joint_counts(plain, drafted)
+    assert table.shape[1] > 20  # the test sees a spread distribution, not a few tokens
+    assert chi2_contingency(table).pvalue > 1e-3
+
+
+def test_mtp_sampling_is_seeded_and_stays_in_the_warped_support():
+    # Batch 1, where every kept draft also brings the token after it from the same forward.
+    model = _model(seed=1, copying_mtp=True)
+    ids = _left_padded_batch()[0][:1]
+    drafted = accepted = 0
+    for seed in range(4):
+        torch.manual_seed(seed)
+        out = model.generate(ids, max_new_tokens=16, use_mtp=True, return_dict_in_generate=True, **SAMPLING)
+        torch.manual_seed(seed)
+        assert torch.equal(model.generate(ids, max_new_tokens=16, use_mtp=True, **SAMPLING), out.sequences)
+        drafted, accepted = drafted + out.drafted, accepted + out.accepted
+        # Every token lies in the top_k=4 support of the plain distribution at its position.
+        logits = model(out.sequences).logits[0, PROMPT - 1 : -1]  # [16, V]
+        support = logits.topk(4, dim=-1).indices
+        assert (support == out.sequences[0, PROMPT:, None]).any(-1).all()
+    assert 0 < accepted < drafted
 
 
 def test_prompt_lookup_writes_the_greedy_tokens_on_the_demo(demo_folder):  # noqa: F811
