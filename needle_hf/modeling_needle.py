@@ -67,8 +67,20 @@ from .deploy_numerics import (  # deploy numerics hooks
     training_weights,
 )
 from .numerics import (
+    ATTENTION_GATE_INIT,
+    CONFIDENCE_PROBES,
+    CONTRASTIVE_NORM_EPS,
+    CONTRASTIVE_PROBES,
+    CONTRASTIVE_TEMPERATURE_INIT,
+    ENGRAM_FIRST_TAP_INIT,
     ENGRAM_HASH_PRIME,
     ENGRAM_HASH_SHIFT,
+    HADAMARD_DIAG_HIDDEN_INIT,
+    HADAMARD_DIAG_IN_INIT,
+    HADAMARD_DIAG_OUT_INIT,
+    HYPER_CONNECTION_ALPHA_INIT,
+    HYPER_CONNECTION_RES_BIAS_INIT,
+    NORM_WEIGHT_INIT,
     SINKHORN_ITERATIONS,
     SINKHORN_LINEAR_SPACE_MAX_SPREAD,
     TIED_WEIGHTS,
@@ -80,6 +92,7 @@ from .numerics import (
     walsh_matrix,
 )
 from .speculative import mtp_generate, trim_to_max_length
+from .weight_names import NeedleWeightsError  # the one exception of both twins' strict loading
 
 # Name of the cache field in transformers' model outputs: `cache` from the 5.x rename on,
 # `past_key_values` before. GenerationMixin reads the cache back from this field.
@@ -91,21 +104,6 @@ _BASE_CACHE_OUTPUT_FIELD = "cache" if "cache" in BaseModelOutputWithPast.__datac
 _TIED_WEIGHTS_KEYS = (
     dict(TIED_WEIGHTS) if hasattr(PreTrainedModel, "get_expanded_tied_weights_keys") else list(TIED_WEIGHTS)
 )
-
-# Reference initialisation constants (cactus-needle `architecture.py`).
-HYPER_CONNECTION_ALPHA_INIT = 0.01
-HYPER_CONNECTION_RES_BIAS_INIT = 4.0  # res_bias = 4 * identity: lanes start (almost) unmixed
-HADAMARD_DIAG_OUT_INIT = 0.02
-CONTRASTIVE_TEMPERATURE_INIT = 0.07
-# Probe counts of the pooling heads (fixed by the architecture).
-CONTRASTIVE_PROBES = 4
-CONFIDENCE_PROBES = 8
-# Epsilon of the contrastive embedding's L2 normalisation.
-CONTRASTIVE_NORM_EPS = 1e-12
-
-
-class NeedleWeightsError(ValueError):
-    """A checkpoint's tensors do not match the model the config describes."""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -925,13 +923,13 @@ class NeedlePreTrainedModel(PreTrainedModel):
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=std)
         elif isinstance(module, NeedleRMSNorm):
-            _init_value(module.weight, 0.0)
+            _init_value(module.weight, NORM_WEIGHT_INIT)
         elif isinstance(module, NeedleHadamardMLP):
-            _init_value(module.diag_in, 1.0)
-            _init_value(module.diag_hidden, 1.0)
+            _init_value(module.diag_in, HADAMARD_DIAG_IN_INIT)
+            _init_value(module.diag_hidden, HADAMARD_DIAG_HIDDEN_INIT)
             _init_value(module.diag_out, HADAMARD_DIAG_OUT_INIT)
         elif isinstance(module, NeedleBlock):
-            _init_value(module.attention_gate, 0.0)
+            _init_value(module.attention_gate, ATTENTION_GATE_INIT)
         elif isinstance(module, NeedleHyperConnection):
             _init_value(module.pre_bias, 0.0)
             _init_value(module.post_bias, 0.0)
@@ -941,7 +939,7 @@ class NeedlePreTrainedModel(PreTrainedModel):
         elif isinstance(module, NeedleEngram):
             nn.init.normal_(module.tables, mean=0.0, std=std)
             taps = torch.zeros_like(module.conv_taps)
-            taps[0] = 1.0
+            taps[0] = ENGRAM_FIRST_TAP_INIT
             _init_value(module.conv_taps, taps)
         elif isinstance(module, NeedleContrastiveHead):
             nn.init.normal_(module.probes, mean=0.0, std=std)
