@@ -914,6 +914,8 @@ class NeedlePreTrainedModel(PreTrainedModel):
         re-initialising loaded tensors); fixed values through `_init_value`, which checks the same flag.
         """
         std = self.config.initializer_range
+        if module is getattr(self, "lm_head", None):
+            return  # the tied head's weight is the embedding's, initialised there
         if isinstance(module, NeedleResidualLinear):
             nn.init.normal_(module.weight, mean=0.0, std=std / math.sqrt(2 * self.config.num_hidden_layers))
         elif isinstance(module, nn.Linear):
@@ -1317,8 +1319,9 @@ class NeedleForCausalLM(NeedlePreTrainedModel, GenerationMixin):
     def __init__(self, config: NeedleConfig):
         super().__init__(config)
         self.model = NeedleModel(config)
-        # Registered after the backbone, so parameter listings name the shared tensor by its source.
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        # Registered after the backbone, so parameter listings name the shared tensor by its source;
+        # built without an initial draw (`skip_init`): its weight is replaced by the embedding's.
+        self.lm_head = torch.nn.utils.skip_init(nn.Linear, config.hidden_size, config.vocab_size, bias=False)
         self.mtp = NeedleMultiTokenPrediction(config) if config.use_mtp_head else None
         self.contrastive_head = NeedleContrastiveHead(config) if config.use_contrastive_head else None
         self.confidence_head = NeedleConfidenceHead(config) if config.use_confidence_head else None
