@@ -18,11 +18,9 @@ the MTP block's. PEFT's ``lora_alpha / r`` scale is the reference's ``alpha / ra
 ``lora_A.weight = A.T`` and ``lora_B.weight = B.T`` a reference adapter computes the same function.
 
 `NeedleTrainer` (a `transformers.Trainer`) and `needle_hf.finetune_trl.NeedleSFTTrainer` (a TRL `SFTTrainer`) compute this
-loss themselves. `SFTTrainer`'s own loss projects the last hidden state through
-`get_output_embeddings()` in tiles and reads its ``bias``, which the tied Needle embedding does not
-have, and it would skip the MTP head; `NeedleLossMixin.compute_loss` replaces it. Needle's modules
-do not support gradient checkpointing yet, so pass ``gradient_checkpointing=False`` to `SFTConfig`
-(whose default is True).
+loss themselves: `SFTTrainer`'s own loss (the last hidden state through `get_output_embeddings()`,
+the bias-less tied `lm_head`, in tiles) would skip the MTP head; `NeedleLossMixin.compute_loss`
+replaces it. `SFTConfig`'s defaults, gradient checkpointing included, work.
 """
 
 from __future__ import annotations

@@ -66,13 +66,21 @@ from .numerics import (
     NORM_WEIGHT_INIT,
     SINKHORN_ITERATIONS,
     SINKHORN_LINEAR_SPACE_MAX_SPREAD,
+    TIED_WEIGHTS,
     engram_table_orders,
     engram_table_seeds,
     hyper_connection_offsets,
     rope_inverse_frequencies,
     walsh_matrix,
 )
-from .weight_names import HEAD_PREFIXES, NeedleWeightsError, check_weights, hf_weight_shapes
+from .weight_names import (
+    HEAD_PREFIXES,
+    NeedleWeightsError,
+    check_tied_values,
+    check_weights,
+    hf_weight_shapes,
+    without_tied_aliases,
+)
 
 
 @flax.struct.dataclass
@@ -822,8 +830,8 @@ class FlaxNeedleForCausalLMModule(nn.Module):
         self.contrastive_head = FlaxNeedleContrastiveHead(cfg, dtype=self.dtype) if cfg.use_contrastive_head else None
         self.confidence_head = FlaxNeedleConfidenceHead(cfg, dtype=self.dtype) if cfg.use_confidence_head else None
 
-    def logits(self, hidden):
-        """Tied output head in float32: [B, T, D] -> [B, T, V]."""
+    def tied_logits(self, hidden):
+        """Tied output head in float32 (the token embedding; PyTorch names it `lm_head` too): [B, T, D] -> [B, T, V]."""
         embedding = self.model.variables["params"]["embed_tokens"]["embedding"]
         hidden = quantize_activations(hidden, self.config)  # deploy numerics hook
         return hidden.astype(jnp.float32) @ embedding.T.astype(jnp.float32)
@@ -845,7 +853,7 @@ class FlaxNeedleForCausalLMModule(nn.Module):
             output_attentions=output_attentions, output_hidden_states=output_hidden_states,
         )
         hidden = outputs.last_hidden_state
-        logits = self.logits(hidden)
+        logits = self.tied_logits(hidden)
         mtp_logits = None
         if output_mtp_logits or self.is_initializing():
             mtp_logits = self.mtp_logits(input_ids, attention_mask, position_ids, hidden) if self.mtp is not None else None
@@ -865,7 +873,7 @@ class FlaxNeedleForCausalLMModule(nn.Module):
         next_ids = jnp.pad(input_ids[:, 1:], ((0, 0), (0, 1)))
         cos, sin = rope_tables(position_ids, cfg.head_dim, cfg.rope_theta)
         key_mask = attention_allowed(attention_mask, 0, input_ids.shape[1], window=self.config.attention_window)
-        return self.logits(self.mtp(hidden, self.model.embed(next_ids), cos, sin, key_mask))
+        return self.tied_logits(self.mtp(hidden, self.model.embed(next_ids), cos, sin, key_mask))
 
     def hidden_and_logits(self, input_ids, attention_mask, position_ids):
         """Final-normed hidden [B, T, D] and logits [B, T, V] (MTP decoding drafts from the hidden states)."""
@@ -967,7 +975,13 @@ def _read_checked_weights(weights: str, config: NeedleConfig, *, prefix: str) ->
             raise NeedleWeightsError(
                 f"{weights}: expected PyTorch-layout safetensors (metadata format 'pt'), found format {layout!r}"
             )
-        found = {name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()}
+        stored = set(handle.keys())
+        # A tied alias (`lm_head.weight`, written by a tool that stores tied tensors twice) names the
+        # embedding again: checked equal to it, then left unread.
+        if stored & TIED_WEIGHTS.keys():
+            pairs = [name for name in (*TIED_WEIGHTS, *TIED_WEIGHTS.values()) if name in stored]
+            check_tied_values({name: np.asarray(handle.get_tensor(name)) for name in pairs}, where=weights)
+        found = without_tied_aliases({name: tuple(handle.get_slice(name).get_shape()) for name in stored})
         check_weights(
             found,
             hf_weight_shapes(config, prefix=prefix),

@@ -33,8 +33,11 @@ Version notes (transformers 4.57 and 5.x):
   `DynamicLayer` / `StaticLayer` subclass swapped in on first use), so `DynamicCache` and
   `StaticCache` carry the whole decoding state through cropping, beam reordering and compiled steps.
 - Attention runs through transformers' attention-function interface (eager, sdpa, flex_attention).
-- There is no ``lm_head`` module: logits are ``hidden @ embed_tokens.weight.T``, so the state dict
-  holds only the weight table of `weight_names.py`; `get_output_embeddings` returns the embedding.
+- The output head ``lm_head`` is a bias-less ``nn.Linear`` whose weight is ``model.embed_tokens.weight``
+  (tied through transformers' machinery: `_tied_weights_keys` is a list of tied names on 4.57, a
+  ``{tied: source}`` dict on 5.x). The state dict shows the alias ``lm_head.weight``; saved files
+  hold the one tensor of the weight table (`weight_names.py`), and `load_state_dict` accepts a state
+  dict with or without the alias. Logits stay float32 (``hidden.float() @ lm_head.weight.float().T``).
 """
 
 from __future__ import annotations
@@ -65,10 +68,23 @@ from .deploy_numerics import (  # deploy numerics hooks
     training_weights,
 )
 from .numerics import (
+    ATTENTION_GATE_INIT,
+    CONFIDENCE_PROBES,
+    CONTRASTIVE_NORM_EPS,
+    CONTRASTIVE_PROBES,
+    CONTRASTIVE_TEMPERATURE_INIT,
+    ENGRAM_FIRST_TAP_INIT,
     ENGRAM_HASH_PRIME,
     ENGRAM_HASH_SHIFT,
+    HADAMARD_DIAG_HIDDEN_INIT,
+    HADAMARD_DIAG_IN_INIT,
+    HADAMARD_DIAG_OUT_INIT,
+    HYPER_CONNECTION_ALPHA_INIT,
+    HYPER_CONNECTION_RES_BIAS_INIT,
+    NORM_WEIGHT_INIT,
     SINKHORN_ITERATIONS,
     SINKHORN_LINEAR_SPACE_MAX_SPREAD,
+    TIED_WEIGHTS,
     UINT32_MASK,
     engram_table_orders,
     engram_table_seeds,
@@ -77,26 +93,18 @@ from .numerics import (
     walsh_matrix,
 )
 from .speculative import mtp_generate, trim_to_max_length
+from .weight_names import NeedleWeightsError  # the one exception of both twins' strict loading
 
 # Name of the cache field in transformers' model outputs: `cache` from the 5.x rename on,
 # `past_key_values` before. GenerationMixin reads the cache back from this field.
 CACHE_OUTPUT_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 _BASE_CACHE_OUTPUT_FIELD = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ else "past_key_values"
 
-# Reference initialisation constants (cactus-needle `architecture.py`).
-HYPER_CONNECTION_ALPHA_INIT = 0.01
-HYPER_CONNECTION_RES_BIAS_INIT = 4.0  # res_bias = 4 * identity: lanes start (almost) unmixed
-HADAMARD_DIAG_OUT_INIT = 0.02
-CONTRASTIVE_TEMPERATURE_INIT = 0.07
-# Probe counts of the pooling heads (fixed by the architecture).
-CONTRASTIVE_PROBES = 4
-CONFIDENCE_PROBES = 8
-# Epsilon of the contrastive embedding's L2 normalisation.
-CONTRASTIVE_NORM_EPS = 1e-12
-
-
-class NeedleWeightsError(ValueError):
-    """A checkpoint's tensors do not match the model the config describes."""
+# Tied weights as the installed transformers spells them: 5.x maps each tied name to its source,
+# 4.57 lists the names it ties to `get_input_embeddings()`.
+_TIED_WEIGHTS_KEYS = (
+    dict(TIED_WEIGHTS) if hasattr(PreTrainedModel, "get_expanded_tied_weights_keys") else list(TIED_WEIGHTS)
+)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -953,6 +961,8 @@ class NeedlePreTrainedModel(PreTrainedModel):
         re-initialising loaded tensors); fixed values through `_init_value`, which checks the same flag.
         """
         std = self.config.initializer_range
+        if module is getattr(self, "lm_head", None):
+            return  # the tied head's weight is the embedding's, initialised there
         if isinstance(module, NeedleResidualLinear):
             nn.init.normal_(module.weight, mean=0.0, std=std / math.sqrt(2 * self.config.num_hidden_layers))
         elif isinstance(module, nn.Linear):
@@ -962,13 +972,13 @@ class NeedlePreTrainedModel(PreTrainedModel):
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=std)
         elif isinstance(module, NeedleRMSNorm):
-            _init_value(module.weight, 0.0)
+            _init_value(module.weight, NORM_WEIGHT_INIT)
         elif isinstance(module, NeedleHadamardMLP):
-            _init_value(module.diag_in, 1.0)
-            _init_value(module.diag_hidden, 1.0)
+            _init_value(module.diag_in, HADAMARD_DIAG_IN_INIT)
+            _init_value(module.diag_hidden, HADAMARD_DIAG_HIDDEN_INIT)
             _init_value(module.diag_out, HADAMARD_DIAG_OUT_INIT)
         elif isinstance(module, NeedleBlock):
-            _init_value(module.attention_gate, 0.0)
+            _init_value(module.attention_gate, ATTENTION_GATE_INIT)
         elif isinstance(module, NeedleHyperConnection):
             _init_value(module.pre_bias, 0.0)
             _init_value(module.post_bias, 0.0)
@@ -978,7 +988,7 @@ class NeedlePreTrainedModel(PreTrainedModel):
         elif isinstance(module, NeedleEngram):
             nn.init.normal_(module.tables, mean=0.0, std=std)
             taps = torch.zeros_like(module.conv_taps)
-            taps[0] = 1.0
+            taps[0] = ENGRAM_FIRST_TAP_INIT
             _init_value(module.conv_taps, taps)
         elif isinstance(module, NeedleContrastiveHead):
             nn.init.normal_(module.probes, mean=0.0, std=std)
@@ -1016,20 +1026,37 @@ class NeedlePreTrainedModel(PreTrainedModel):
         return (model, loading_info) if wants_loading_info else model
 
 
-def _local_checkpoint_shape(source, name: str) -> Optional[tuple]:
-    """Shape of tensor ``name`` in the safetensors files of a local folder (None when not found there)."""
+def _local_checkpoint_tensor(source, name: str, *, shape_only: bool = False):
+    """Tensor ``name`` (or its shape) in the safetensors files of a local folder (None when not found there)."""
     if not os.path.isdir(str(source)):
         return None
     for file_name in sorted(os.listdir(source)):
         if file_name.endswith(".safetensors"):
             with safe_open(os.path.join(source, file_name), framework="pt") as handle:
                 if name in handle.keys():
-                    return tuple(handle.get_slice(name).get_shape())
+                    return tuple(handle.get_slice(name).get_shape()) if shape_only else handle.get_tensor(name)
     return None
 
 
+def _untied_names(model: PreTrainedModel, source) -> list[str]:
+    """Tied names (`TIED_WEIGHTS`) whose checkpoint tensor differs from its source: 5.x then unties
+    them; 4.57 keeps the tie and drops the checkpoint's tensor, read back here from a local folder."""
+    untied = []
+    for tied, source_name in TIED_WEIGHTS.items():
+        try:
+            tied_param, source_param = model.get_parameter(tied), model.get_parameter(source_name)
+        except AttributeError:  # the bare backbone has no output head
+            continue
+        stored = _local_checkpoint_tensor(source, tied) if tied_param is source_param else None
+        if tied_param is not source_param or (stored is not None and not torch.equal(stored.to(source_param), source_param)):
+            untied.append(tied)
+    return untied
+
+
 def _raise_unless_exact(model: PreTrainedModel, loading_info: dict, source, unused_prefixes: tuple = ()) -> None:
-    missing = sorted(loading_info.get("missing_keys") or [])
+    # A tied name is never required (its source is, and is reported when missing).
+    missing = sorted(name for name in loading_info.get("missing_keys") or [] if name not in TIED_WEIGHTS)
+    untied = _untied_names(model, source)
     unused_prefixes = tuple(getattr(model, "_unused_checkpoint_prefixes", ())) + tuple(unused_prefixes)
     unexpected = sorted(
         name for name in loading_info.get("unexpected_keys") or [] if not name.startswith(unused_prefixes)
@@ -1041,9 +1068,9 @@ def _raise_unless_exact(model: PreTrainedModel, loading_info: dict, source, unus
         if isinstance(entry, (tuple, list)):
             name, found = entry[0], tuple(entry[1])
         else:
-            name, found = entry, _local_checkpoint_shape(source, entry)
+            name, found = entry, _local_checkpoint_tensor(source, entry, shape_only=True)
         mismatched.append(f"{name}: expected {expected_shapes.get(name)}, got {found or 'a different shape'}")
-    if not (missing or unexpected or mismatched):
+    if not (missing or unexpected or mismatched or untied):
         return
 
     def listing(names):
@@ -1057,6 +1084,8 @@ def _raise_unless_exact(model: PreTrainedModel, loading_info: dict, source, unus
         problems.append(f"{len(unexpected)} unexpected tensor(s): {listing(unexpected)}")
     if mismatched:
         problems.append(f"{len(mismatched)} tensor(s) of the wrong shape: {listing(sorted(mismatched))}")
+    for name in untied:
+        problems.append(f"{name} differs from {TIED_WEIGHTS[name]} (the output head is tied to the token embedding)")
     hint = ""
     if any(name.startswith(("mtp.", "contrastive_head.", "confidence_head.")) for name in missing + unexpected):
         hint = (
@@ -1347,18 +1376,22 @@ class NeedleForCausalLM(NeedlePreTrainedModel, GenerationMixin):
     Weight names: ``model.*`` (the backbone), ``mtp.*``, ``contrastive_head.*``, ``confidence_head.*``.
     """
 
-    # The output head is the token embedding itself (no lm_head tensor), so nothing needs tying.
-    _tied_weights_keys = None
+    # `lm_head.weight` is `model.embed_tokens.weight` (config.tie_word_embeddings is always True).
+    _tied_weights_keys = _TIED_WEIGHTS_KEYS
     # The forward takes `num_items_in_batch` (so `Trainer` leaves the loss normalisation to it).
     accepts_loss_kwargs = True
 
     def __init__(self, config: NeedleConfig):
         super().__init__(config)
         self.model = NeedleModel(config)
+        # Registered after the backbone, so parameter listings name the shared tensor by its source;
+        # built without an initial draw (`skip_init`): its weight is replaced by the embedding's.
+        self.lm_head = torch.nn.utils.skip_init(nn.Linear, config.hidden_size, config.vocab_size, bias=False)
         self.mtp = NeedleMultiTokenPrediction(config) if config.use_mtp_head else None
         self.contrastive_head = NeedleContrastiveHead(config) if config.use_contrastive_head else None
         self.confidence_head = NeedleConfidenceHead(config) if config.use_confidence_head else None
-        self.post_init()
+        self.post_init()  # ties lm_head.weight to model.embed_tokens.weight
+        self._register_load_state_dict_pre_hook(_fill_tied_alias, with_module=True)  # public from torch 2.5
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.model.embed_tokens
@@ -1366,12 +1399,12 @@ class NeedleForCausalLM(NeedlePreTrainedModel, GenerationMixin):
     def set_input_embeddings(self, value: nn.Embedding):
         self.model.embed_tokens = value
 
-    def get_output_embeddings(self) -> nn.Embedding:
-        """The output projection is tied to the token embedding: logits = hidden @ embed_tokens.weight.T."""
-        return self.model.embed_tokens
+    def get_output_embeddings(self) -> nn.Linear:
+        """The bias-less output head, whose weight is the token embedding's: logits = hidden @ embed_tokens.weight.T."""
+        return self.lm_head
 
-    def set_output_embeddings(self, new_embeddings: nn.Embedding):
-        self.model.embed_tokens = new_embeddings
+    def set_output_embeddings(self, new_embeddings: nn.Linear):
+        self.lm_head = new_embeddings
 
     def get_decoder(self) -> NeedleModel:
         return self.model
@@ -1381,9 +1414,9 @@ class NeedleForCausalLM(NeedlePreTrainedModel, GenerationMixin):
         return self.model.engram_context_length
 
     def tied_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 ``hidden @ E.T``: [B, S, d] -> [B, S, V]."""
+        """Float32 ``hidden @ E.T``: [B, S, d] -> [B, S, V] (``E`` = ``lm_head.weight`` = the token embedding)."""
         hidden = quantize_activations(hidden, self.config)  # deploy numerics hook
-        return tied_logits(hidden, self.model.embed_tokens.weight)
+        return tied_logits(hidden, self.lm_head.weight)
 
     def forward(
         self,
@@ -1614,6 +1647,21 @@ class NeedleForCausalLM(NeedlePreTrainedModel, GenerationMixin):
             raise ValueError("this model has no confidence head (config.use_confidence_head is False)")
         cells, keep = self._probe_cells(input_ids, attention_mask)
         return self.confidence_head(cells, keep, self.model.embed_tokens.weight.dtype)
+
+
+def _fill_tied_alias(module, state_dict, prefix, *args):
+    """`load_state_dict` pre-hook: a state dict of the weight table (no ``lm_head.weight``) loads
+    strictly, since the tied head is the embedding; an alias that differs from it is refused."""
+    for tied, source in TIED_WEIGHTS.items():
+        tied, source = prefix + tied, prefix + source
+        if source not in state_dict:
+            continue  # reported as missing by the load itself
+        if tied not in state_dict:
+            state_dict[tied] = state_dict[source]
+        elif not torch.equal(state_dict[tied], state_dict[source]):
+            raise NeedleWeightsError(
+                f"state dict: {tied} differs from {source}; Needle's output head is tied to the token embedding"
+            )
 
 
 def _positions_to_keep(logits_to_keep: Union[int, torch.Tensor]) -> Union[slice, torch.Tensor]:

@@ -47,6 +47,10 @@ CONFIDENCE_PROBES = 8
 # Epsilon of the contrastive embedding's L2 normalisation.
 CONTRASTIVE_NORM_EPS = 1e-12
 
+# The output head is the token embedding: `lm_head.weight` names the same tensor as
+# `model.embed_tokens.weight` (tied, stored once), as {tied name: the tensor it shares}.
+TIED_WEIGHTS = {"lm_head.weight": "model.embed_tokens.weight"}
+
 # Hyper-connection routing: rounds of log-space Sinkhorn normalisation (rows, then columns).
 SINKHORN_ITERATIONS = 20
 # Widest logit spread (max - min, in nats) of one lane-mixing matrix that the models' Sinkhorn

@@ -35,7 +35,10 @@ Table (per layer i; engram site s; `T` = transposed):
 | confidence_head/probes, proj/kernel, proj/bias| confidence_head.probes, proj.weight (T), proj.bias   |
 
 Norm weights keep the reference's zero-centred convention: the effective gain is `1 + weight`.
-The output head is tied to `model.embed_tokens.weight` and has no tensor of its own.
+The output head is tied to `model.embed_tokens.weight` and has no tensor of its own: the PyTorch
+model's `lm_head.weight` is an alias of it (`numerics.TIED_WEIGHTS`), absent from saved files. The
+checkers below neither require the alias nor reject it when it has the embedding's shape (a file
+written by a tool that stores tied tensors twice); `hf_to_native` checks that it equals the embedding.
 
 This module also holds the one strict checker of tensor names and shapes (`check_weights`) and
 its exception (`NeedleWeightsError`), used by both models, the converters and the Hub tools.
@@ -50,7 +53,7 @@ from typing import Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from .numerics import CONFIDENCE_PROBES, CONTRASTIVE_PROBES
+from .numerics import CONFIDENCE_PROBES, CONTRASTIVE_PROBES, TIED_WEIGHTS
 
 
 @dataclass(frozen=True)
@@ -251,8 +254,30 @@ def check_weights(
     raise NeedleWeightsError(f"{where}: " + "; ".join(problems) + hint)
 
 
+def without_tied_aliases(found: Mapping[str, Sequence[int]]) -> dict[str, Sequence[int]]:
+    """`found` (name -> shape) less the tied names (`TIED_WEIGHTS`) that have their source's shape.
+
+    Those name the embedding a second time; one of another shape stays, to be reported as unexpected.
+    """
+    aliases = {
+        tied for tied, source in TIED_WEIGHTS.items()
+        if tied in found and source in found and tuple(found[tied]) == tuple(found[source])
+    }
+    return {name: shape for name, shape in found.items() if name not in aliases}
+
+
+def check_tied_values(tensors: Mapping[str, np.ndarray], *, where: str) -> None:
+    """Raise `NeedleWeightsError` if a tied name present in `tensors` holds other values than its source."""
+    for tied, source in TIED_WEIGHTS.items():
+        if tied in tensors and source in tensors and not np.array_equal(tensors[tied], tensors[source]):
+            raise NeedleWeightsError(
+                f"{where}: tensor {tied} differs from {source}; Needle's output head is tied to the token embedding"
+            )
+
+
 def check_hf_weights(found: Mapping[str, Sequence[int]], config, *, where: str) -> None:
-    """`check_weights` of HF-named shapes against the whole table for `config`."""
+    """`check_weights` of HF-named shapes against the whole table for `config` (a tied alias allowed)."""
+    found = without_tied_aliases(found)
     if config.num_hidden_layers > len(found):
         # Checked before the table is built: its size follows the config, not the file.
         raise NeedleWeightsError(
@@ -311,9 +336,13 @@ def native_to_hf(params: dict, config, *, to_array: Callable = np.asarray, copy:
 
 
 def hf_to_native(tensors: dict, config) -> dict:
-    """Map HF-named tensors back to a native parameter tree (layers re-stacked), strictly."""
+    """Map HF-named tensors back to a native parameter tree (layers re-stacked), strictly.
+
+    A tied alias (``lm_head.weight``, as in a PyTorch state dict) must equal the embedding and is dropped.
+    """
     tensors = {name: np.asarray(value) for name, value in tensors.items()}
     check_hf_weights({name: value.shape for name, value in tensors.items()}, config, where="HF tensors")
+    check_tied_values(tensors, where="HF tensors")
     stacked: dict[tuple[str, ...], list] = {}
     tree: dict = {}
 

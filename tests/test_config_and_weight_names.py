@@ -12,6 +12,7 @@ from needle_hf.configuration_needle import NeedleConfig
 from needle_hf.numerics import engram_indices_numpy, hyper_connection_offsets, walsh_matrix
 from needle_hf.weight_names import (
     NeedleWeightsError,
+    check_hf_weights,
     hf_to_native,
     hf_weight_shapes,
     native_to_hf,
@@ -91,6 +92,22 @@ def test_weight_table_round_trips_a_native_tree_exactly():
     assert original.keys() == restored.keys()
     for path, value in original.items():
         assert np.array_equal(value, restored[path]), path
+
+
+def test_the_tied_head_alias_is_neither_required_nor_rejected_but_must_equal_the_embedding():
+    params = make_native_params(TINY_NATIVE_CONFIG, 0)
+    config = NeedleConfig.from_needle_config(TINY_NATIVE_CONFIG, **optional_heads_in_native(params))
+    tensors = native_to_hf(params, config)
+    embedding = tensors["model.embed_tokens.weight"]
+    # A PyTorch state dict names the tied head too (`lm_head.weight`, the same values): accepted, dropped.
+    with_alias = hf_to_native({**tensors, "lm_head.weight": embedding.copy()}, config)
+    np.testing.assert_array_equal(with_alias["embedding"]["embedding"], embedding)
+    check_hf_weights({name: value.shape for name, value in tensors.items()}, config, where="table")
+    with pytest.raises(NeedleWeightsError, match=r"HF tensors: tensor lm_head\.weight differs from model\.embed_tokens"):
+        hf_to_native({**tensors, "lm_head.weight": embedding + 1}, config)
+    shapes = {name: value.shape for name, value in tensors.items()}
+    with pytest.raises(NeedleWeightsError, match=r"unexpected tensor lm_head\.weight"):
+        check_hf_weights({**shapes, "lm_head.weight": (3, 4)}, config, where="folder")
 
 
 def test_weight_table_rejects_unknown_missing_and_misshapen_native_keys():

@@ -126,6 +126,25 @@ def test_trl_sft_trainer_with_assistant_only_loss_lowers_the_held_out_loss(tmp_p
     assert after < before - 0.1, (before, after)
 
 
+def test_trl_sft_trainer_own_fused_lm_head_loss_is_the_models_loss(tmp_path, fast_tokenizer):
+    """TRL's own loss (no Needle subclass): the backbone's hidden states through `get_output_embeddings()`,
+    the tied bias-less `lm_head`, in tiles; it equals the model's next-token loss on the same batch."""
+    from trl import SFTConfig, SFTTrainer
+
+    torch.manual_seed(0)
+    model = NeedleForCausalLM(NeedleConfig.from_needle_config(FINETUNE_NATIVE_CONFIG))
+    args = SFTConfig(**training_arguments(tmp_path), assistant_only_loss=True, bf16=False, max_length=None)
+    trainer = SFTTrainer(model=model, args=args, train_dataset=conversations_dataset(make_demo_examples(8, seed=1)),
+                         processing_class=fast_tokenizer, peft_config=needle_lora_config(rank=8, alpha=16.0))
+    batch = next(iter(trainer.get_train_dataloader()))
+    trainer.model.eval()
+    with torch.no_grad():
+        fused = trainer.compute_loss(trainer.model, dict(batch))
+        plain = trainer.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                              labels=batch["labels"]).loss
+    torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-6)
+
+
 def test_shipped_demo_model_answers_held_out_prompts_with_the_exact_calls():
     import pickle
     from pathlib import Path

@@ -69,7 +69,10 @@ def causes(error: BaseException) -> list[BaseException]:
 
 
 def torch_tensors(model: NeedleForCausalLM) -> dict[str, np.ndarray]:
-    return {name: tensor.detach().numpy() for name, tensor in model.state_dict().items()}
+    """The tensors a saved file holds: the state dict less the tied head, which is the embedding."""
+    state = model.state_dict()
+    assert state.pop("lm_head.weight").data_ptr() == state["model.embed_tokens.weight"].data_ptr()
+    return {name: tensor.detach().numpy() for name, tensor in state.items()}
 
 
 def flax_tensors(model) -> dict[str, np.ndarray]:

@@ -186,6 +186,10 @@ def _rewrite_weights(folder, edit):
             lambda t: t.update({"model.layers.2.self_attn.k_proj.weight": np.zeros((64, 64), np.float32)}),
             "model.layers.2.self_attn.k_proj.weight: expected shape (32, 64), got (64, 64)",
         ),
+        (
+            lambda t: t.update({"lm_head.weight": t["model.embed_tokens.weight"] + 1}),
+            "tensor lm_head.weight differs from model.embed_tokens.weight",
+        ),
     ],
 )
 def test_bad_weights_raise_instead_of_reinitialising(tiny_checkpoints, tmp_path, edit, message):
@@ -194,6 +198,15 @@ def test_bad_weights_raise_instead_of_reinitialising(tiny_checkpoints, tmp_path,
     _rewrite_weights(tmp_path, edit)
     with pytest.raises(NeedleWeightsError, match=message.replace("(", r"\(").replace(")", r"\)")):
         FlaxNeedleForCausalLM.from_pretrained(tmp_path)
+
+
+def test_a_file_that_also_stores_the_tied_head_loads_like_one_that_does_not(tiny_checkpoints, tiny_model, tmp_path):
+    folder, params = tiny_checkpoints[0]
+    write_hf_folder(tmp_path, TINY_NATIVE_CONFIG, params)
+    _rewrite_weights(tmp_path, lambda t: t.update({"lm_head.weight": t["model.embed_tokens.weight"].copy()}))
+    model = FlaxNeedleForCausalLM.from_pretrained(tmp_path)
+    ids = np.array([[5, 6, 7, 8]])
+    np.testing.assert_array_equal(np.asarray(model(ids).logits), np.asarray(tiny_model(ids).logits))
 
 
 def test_flax_format_safetensors_are_refused(tiny_checkpoints, tmp_path):

@@ -115,8 +115,12 @@ def tiny_folder(tmp_path_factory, tiny_params):
 )
 def test_state_dict_is_exactly_the_weight_table(overrides):
     config = NeedleConfig.from_needle_config(TINY_NATIVE_CONFIG, **overrides)
-    state = NeedleForCausalLM(config).state_dict()
+    model = NeedleForCausalLM(config)
+    state = model.state_dict()
+    # The weight table, plus `lm_head.weight`: the tied head, the embedding's own storage.
+    assert state.pop("lm_head.weight").data_ptr() == state["model.embed_tokens.weight"].data_ptr()
     assert {name: tuple(t.shape) for name, t in state.items()} == hf_weight_shapes(config)
+    assert {name for name, _ in model.named_parameters()} == set(hf_weight_shapes(config))
 
     backbone = NeedleModel(config).state_dict()
     prefix = "model."
@@ -142,6 +146,70 @@ def test_fresh_model_follows_the_reference_initialisation():
     assert state["model.layers.0.self_attn.q_proj.weight"].std().item() == pytest.approx(0.02, rel=0.15)
     assert state["model.layers.0.self_attn.o_proj.weight"].std().item() == pytest.approx(residual_std, rel=0.15)
     assert state["mtp.combine_proj.weight"].std().item() == pytest.approx(0.02, rel=0.15)
+
+
+# --------------------------------------------------------------------------------------------------
+# The output head: a bias-less `lm_head` tied to the embedding
+
+
+def test_output_head_is_a_bias_less_linear_sharing_the_embedding():
+    model = NeedleForCausalLM(hf_config(TINY_NATIVE_CONFIG))
+    head = model.get_output_embeddings()
+    assert head is model.lm_head and isinstance(head, torch.nn.Linear) and head.bias is None
+    assert head.weight is model.get_input_embeddings().weight
+    assert model.config.tie_word_embeddings is True
+    with pytest.raises(ValueError, match="tie_word_embeddings must be True"):
+        NeedleConfig.from_needle_config(TINY_NATIVE_CONFIG, tie_word_embeddings=False)
+
+
+def test_saved_file_holds_the_tied_head_once_and_the_tie_survives_loading_and_resizing(tiny_folder, tmp_path):
+    model = NeedleForCausalLM.from_pretrained(tiny_folder)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    model.save_pretrained(tmp_path)
+    saved = safetensors.numpy.load_file(str(tmp_path / "model.safetensors"))
+    assert "lm_head.weight" not in saved and set(saved) == set(hf_weight_shapes(model.config))
+    reloaded = NeedleForCausalLM.from_pretrained(tmp_path)
+    assert reloaded.lm_head.weight is reloaded.model.embed_tokens.weight
+
+    vocab = model.config.vocab_size
+    reloaded.resize_token_embeddings(vocab + 8, mean_resizing=False)
+    assert reloaded.lm_head.weight is reloaded.model.embed_tokens.weight
+    assert reloaded.lm_head.weight.shape == (vocab + 8, model.config.hidden_size)
+    ids = torch.from_numpy(random_tokens(1, 6, seed=3))
+    with torch.no_grad():
+        before, after = model(ids).logits, reloaded(ids).logits
+    assert after.shape == (1, 6, vocab + 8) and after.dtype == torch.float32
+    torch.testing.assert_close(after[..., :vocab], before, rtol=0, atol=0)
+
+
+def test_gradients_of_the_input_and_output_uses_meet_in_the_one_tensor(tiny_params):
+    model = torch_model(TINY_NATIVE_CONFIG, tiny_params[0]).train()
+    ids = torch.from_numpy(random_tokens(2, 10, seed=4))
+    model(ids, labels=ids).loss.backward()
+    assert model.lm_head.weight.grad is model.model.embed_tokens.weight.grad
+    # The same loss with the two uses as separate tensors: the tied gradient is their sum.
+    embedding = model.model.embed_tokens.weight.detach()
+    separate = {"model.embed_tokens.weight": embedding.clone().requires_grad_(),
+                "lm_head.weight": embedding.clone().requires_grad_()}
+    loss = torch.func.functional_call(model, separate, (ids,), {"labels": ids}, tie_weights=False).loss
+    loss.backward()
+    total = separate["model.embed_tokens.weight"].grad + separate["lm_head.weight"].grad
+    assert separate["lm_head.weight"].grad.abs().sum() > 0 and separate["model.embed_tokens.weight"].grad.abs().sum() > 0
+    torch.testing.assert_close(model.model.embed_tokens.weight.grad, total, rtol=1e-5, atol=1e-8)
+
+
+def test_state_dicts_load_with_or_without_the_tied_alias_but_not_an_untied_head(tiny_params, tmp_path):
+    config = hf_config(TINY_NATIVE_CONFIG)
+    table = {name: torch.from_numpy(value) for name, value in native_to_hf(tiny_params[0], config).items()}
+    with_alias = NeedleForCausalLM(config)
+    with_alias.load_state_dict({**table, "lm_head.weight": table["model.embed_tokens.weight"].clone()}, strict=True)
+    assert with_alias.lm_head.weight is with_alias.model.embed_tokens.weight
+    untied = {**table, "lm_head.weight": table["model.embed_tokens.weight"] + 1}
+    with pytest.raises(NeedleWeightsError, match=r"lm_head\.weight differs from model\.embed_tokens\.weight"):
+        NeedleForCausalLM(config).load_state_dict(untied, strict=True)
+    write_checkpoint(tmp_path, TINY_NATIVE_CONFIG, {name: value.numpy() for name, value in untied.items()})
+    with pytest.raises(NeedleWeightsError, match=r"lm_head\.weight differs from model\.embed_tokens\.weight"):
+        NeedleForCausalLM.from_pretrained(tmp_path)
 
 
 # --------------------------------------------------------------------------------------------------

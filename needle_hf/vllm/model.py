@@ -58,7 +58,7 @@ from ..modeling_needle import (
     rotary_tables,
     tied_logits,
 )
-from ..numerics import hyper_connection_offsets, rope_inverse_frequencies, walsh_matrix
+from ..numerics import TIED_WEIGHTS, hyper_connection_offsets, rope_inverse_frequencies, walsh_matrix
 
 # Tensors of the optional heads: vLLM serves next-token logits only.
 UNSERVED_PREFIXES = ("mtp.", "contrastive_head.", "confidence_head.")
@@ -362,11 +362,15 @@ class NeedleForCausalLM(nn.Module):
         return tied_logits(hidden_states, self.model.embed_tokens.weight)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy the checkpoint's tensors (the twin's names) one to one; the optional heads are skipped."""
+        """Copy the checkpoint's tensors (the twin's names) one to one; the optional heads are skipped,
+        and a tied alias (``lm_head.weight``, if a checkpoint stores it) must equal the embedding."""
         params = dict(self.named_parameters())
-        loaded = set()
+        loaded, aliases = set(), {}
         for name, tensor in weights:
             if name.startswith(UNSERVED_PREFIXES):
+                continue
+            if name in TIED_WEIGHTS:
+                aliases[name] = tensor
                 continue
             if name not in params:
                 raise NeedleWeightsError(f"checkpoint tensor {name} has no counterpart in Needle's vLLM model")
@@ -378,4 +382,10 @@ class NeedleForCausalLM(nn.Module):
             with torch.no_grad():
                 param.copy_(tensor.to(param.dtype))
             loaded.add(name)
+        for name, tensor in aliases.items():
+            source = params[TIED_WEIGHTS[name]]
+            if tuple(tensor.shape) != tuple(source.shape) or not torch.equal(tensor.to(source), source):
+                raise NeedleWeightsError(
+                    f"tensor {name} differs from {TIED_WEIGHTS[name]}: Needle's output head is tied to the token embedding"
+                )
         return loaded
