@@ -878,7 +878,7 @@ class FlaxNeedleForCausalLMModule(nn.Module):
     def hidden_and_logits(self, input_ids, attention_mask, position_ids):
         """Final-normed hidden [B, T, D] and logits [B, T, V] (MTP decoding drafts from the hidden states)."""
         hidden = self.model(input_ids, attention_mask, position_ids).last_hidden_state
-        return hidden, self.logits(hidden)
+        return hidden, self.tied_logits(hidden)
 
     def mtp_draft_logits(self, hidden, next_ids, position_ids, attention_mask, kv_cache: LayerKVCache, pick):
         """MTP logits [B, V] of new position ``pick`` (may be traced) of T at ``kv_cache.write_index``, the
@@ -888,7 +888,7 @@ class FlaxNeedleForCausalLMModule(nn.Module):
         cos, sin = rope_tables(position_ids, cfg.head_dim, cfg.rope_theta)
         key_mask = attention_allowed(attention_mask, kv_cache.write_index, next_ids.shape[1], window=cfg.attention_window)
         predicted, kv_cache = self.mtp.cached(hidden, self.model.embed(next_ids), cos, sin, key_mask, kv_cache=kv_cache)
-        return self.logits(jax.lax.dynamic_index_in_dim(predicted, pick, axis=1, keepdims=False)), kv_cache
+        return self.tied_logits(jax.lax.dynamic_index_in_dim(predicted, pick, axis=1, keepdims=False)), kv_cache
 
     def _touch_heads(self, input_ids):
         if self.contrastive_head is not None:
