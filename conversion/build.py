@@ -24,10 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from needle_hf.numerics import TERNARY_BITS, parse_bits_map
 from needle_hf.tokenization_needle import PieceTable
 from needle_hf.weight_names import hf_to_native
 
-from . import quantize
 from .cact import CACT_TAG, read_cact
 from .atomic_output import check_output_file
 from .cact_writer import CactWriteError, cact_bytes, deployment_kv_window, write_atomically
@@ -63,11 +63,11 @@ def resolve_scheme(config, *, bits: int | None, bits_map: str | None) -> tuple[i
         raise CactWriteError("give --bits or --bits-map, not both (a bits map sets every width, default included)")
     if bits is not None and bits not in BUILD_BITS:
         raise CactWriteError(f"--bits {bits}, expected one of {', '.join(map(str, BUILD_BITS))} "
-                             f"(ternary: --bits-map default={quantize.TERNARY_BITS})")
+                             f"(ternary: --bits-map default={TERNARY_BITS})")
     if bits is None and not bits_map and config.weight_bits:
         bits_map = config.weight_bits
     if bits_map:
-        quantize.parse_bits_map(bits_map)  # refuses a malformed map before any work
+        parse_bits_map(bits_map)  # refuses a malformed map before any work
         return 4, bits_map, f"CQ mixed[{bits_map}]"
     bits = 4 if bits is None else bits
     return bits, None, f"CQ W{bits}"

@@ -52,7 +52,7 @@ from pathlib import Path
 
 import numpy as np
 
-from needle_hf.numerics import walsh_matrix
+from needle_hf.numerics import CQ_CODEBOOK_BITS, TERNARY_BITS, cq_levels, walsh_matrix
 
 CACT_TAG = 0x05E12A83
 HEADER = struct.Struct("<29If")
@@ -63,10 +63,9 @@ FP16, FP32, CQ, RAW = 1, 2, 3, 4
 DTYPE_NAMES = {FP16: "FP16", FP32: "FP32", CQ: "CQ", RAW: "RAW"}
 
 # Header codebooks: the level sets for these widths, concatenated in this order.
-CODEBOOK_BITS = (2, 3, 4)
+CODEBOOK_BITS = CQ_CODEBOOK_BITS
 CODEBOOK_LENGTH = sum(1 << bits for bits in CODEBOOK_BITS)
 TERNARY_RECORD_BITS = 5
-TERNARY_LEVEL = 1.2240064
 # Ternary crumb value -> level index in (-c, 0, +c); crumb 2 is never written.
 _TERNARY_CRUMB_TO_LEVEL = np.array([1, 2, -1, 0], np.int8)
 CQ_RECORD_BITS = (2, 3, 4, TERNARY_RECORD_BITS)
@@ -485,7 +484,7 @@ def _decode_cq(data: bytes, rec: CactRecord, codebooks: dict[int, np.ndarray], s
         indices = _TERNARY_CRUMB_TO_LEVEL[crumbs]
         if np.any(indices < 0):
             _fail(source, f"record {rec.index} ({rec.name}): ternary crumb value 2, which the format never writes")
-        levels = (np.array([-TERNARY_LEVEL, 0.0, TERNARY_LEVEL]) / np.sqrt(group)).astype(np.float32)
+        levels = cq_levels(TERNARY_BITS, group)
     else:
         indices = _unpack_fields(packed, rec.bits, in_padded)
         levels = codebooks[rec.bits]

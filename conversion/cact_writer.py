@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from needle_hf.chat_template import CHAT_MARKERS
+from needle_hf.numerics import CQ_WEIGHT_BITS, TERNARY_BITS, bits_for, parse_bits_map
 from needle_hf.tokenization_needle import PieceTable, PieceType
 
 from . import quantize
@@ -207,9 +208,9 @@ def cact_bytes(params: dict, config, *, bits=4, bits_map: str | None = None, gro
         params: the native tree (as the reference saves it; `mtp_*` subtrees are not exported and
             `contrastive_head`/`confidence_head` are written when present).
         config: the model's `NeedleConfig`.
-        bits: CQ width of every quantized matrix (2, 3, 4, or `quantize.TERNARY_BITS`), unless
+        bits: CQ width of every quantized matrix (2, 3, 4, or `TERNARY_BITS`), unless
             `bits_map` is given.
-        bits_map: per-tensor widths, "prefix=bits,...,default=bits" (see `quantize.parse_bits_map`).
+        bits_map: per-tensor widths, "prefix=bits,...,default=bits" (see `needle_hf.numerics.parse_bits_map`).
         group: CQ group size (a power of two).
         tokenizer: the piece table to embed as the RAW record, or None for a blob without one.
         kv_window: the header's window; default `deployment_kv_window(config)`.
@@ -217,10 +218,10 @@ def cact_bytes(params: dict, config, *, bits=4, bits_map: str | None = None, gro
     if group < 8 or group & (group - 1):
         raise CactWriteError(f"CQ group size {group}, expected a power of two >= 8")
     if bits_map:
-        prefixes, default = quantize.parse_bits_map(bits_map)
+        prefixes, default = parse_bits_map(bits_map)
     else:
-        if bits not in quantize.SUPPORTED_BITS:
-            raise CactWriteError(f"bits {bits}, expected one of 2, 3, 4 or {quantize.TERNARY_BITS} (ternary)")
+        if bits not in CQ_WEIGHT_BITS:
+            raise CactWriteError(f"bits {bits}, expected one of 2, 3, 4 or {TERNARY_BITS} (ternary)")
         prefixes, default = {}, bits
     if tokenizer is not None and len(tokenizer.pieces) != config.vocab_size:
         raise CactWriteError(f"the tokenizer has {len(tokenizer.pieces)} pieces, the model's vocab_size is {config.vocab_size}")
@@ -230,7 +231,7 @@ def cact_bytes(params: dict, config, *, bits=4, bits_map: str | None = None, gro
     for slot in _backbone_slots(g):
         value, quantized = _stored_value(slot.name, params, g)
         _check_shape(slot.name, slot.shape, np.shape(value))
-        width = quantize.bits_for(slot.name, prefixes, default)
+        width = bits_for(slot.name, prefixes, default)
         blobs.append(_cq(slot.name, value, width, group) if quantized else _fp16(slot.name, value))
     codes = [code for code, (head, _) in sorted(HEAD_CODES.items()) if head in params]
     if codes:

@@ -1,6 +1,6 @@
 """Fine-tune Needle 2 on your own tools: JSONL -> LoRA adapter + merged Hugging Face folder.
 
-    python examples/finetune_tools.py BASE_HF_DIR data.jsonl OUT_DIR [--rank 8] [--alpha 16] [--epochs 3]
+    python examples/finetune_tools.py BASE_HF_DIR data.jsonl OUT_DIR [--rank 8] [--alpha 16] [--epochs 3] [--cact OUT.cact]
 
 BASE_HF_DIR is a Needle folder (`needle-hf convert needle2.pkl BASE_HF_DIR --tokenizer tokenizer.model`).
 data.jsonl is the Needle fine-tuning format, one example a line:
@@ -16,12 +16,13 @@ examples to report the loss before and after, and writes
     OUT_DIR/adapter/   adapter_config.json + adapter_model.safetensors (PeftModel.from_pretrained loads it)
     OUT_DIR/merged/    the base with the adapter merged: a plain Needle folder (weights, config, tokenizer)
 
-Ship OUT_DIR/merged to the on-device engine with `needle-hf build OUT_DIR/merged needle.cact`.
+Ship OUT_DIR/merged to the on-device engine with `needle-hf build OUT_DIR/merged needle.cact`, or
+pass `--cact needle.cact` to build it at the end (CQ widths: the config's `weight_bits`, else 4-bit).
 
 Try it on the demo model and its synthetic data (a few minutes on a CPU):
 
     needle-hf convert scripts/demo/needle2-demo.pkl needle2-hf --tokenizer scripts/demo/tokenizer.model
-    python examples/finetune_tools.py needle2-hf demo.jsonl needle2-tuned --demo-data 400 --epochs 1
+    python examples/finetune_tools.py needle2-hf demo.jsonl needle2-tuned --demo-data 400 --epochs 1 --cact needle.cact
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ def parse_args(argv):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (small models on a few busy cores run fastest on one)")
+    parser.add_argument("--cact", type=Path, metavar="OUT.cact",
+                        help="also build the merged folder's .cact for the on-device engine (as `needle-hf build`)")
     parser.add_argument("--demo-data", type=int, metavar="N",
                         help="first write N synthetic demo examples (needle_hf.demo_data) to the data path")
     return parser.parse_args(argv)
@@ -107,7 +110,12 @@ def main(argv=None) -> int:
     merged.save_pretrained(args.out / "merged")
     tokenizer.save_pretrained(args.out / "merged")
     print(f"adapter: {args.out / 'adapter'}\nmerged:  {args.out / 'merged'}")
-    print(f"next:    needle-hf build {args.out / 'merged'} needle.cact")
+    if args.cact is None:
+        print(f"next:    needle-hf build {args.out / 'merged'} needle.cact")
+        return 0
+    from needle_hf.conversion.build import build_cact
+
+    print(build_cact(args.out / "merged", args.cact, overwrite=True, progress=print).summary())
     return 0
 
 

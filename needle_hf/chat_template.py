@@ -25,7 +25,9 @@ The target, its leading space and the EOS sit inside `{% generation %}`, so
 Message mapping (OpenAI / Hugging Face style to Needle):
   - `tools=[...]`: each entry is a bare schema `{"name", "description", "parameters"}` (what the
     Needle data holds) or an OpenAI wrapper `{"type": "function", "function": {...}}`, which is
-    unwrapped to the inner schema.
+    unwrapped to the inner schema. A `tools_text` string (a template keyword, as
+    `needle_hf.finetune_data` passes it) is written as the tools block verbatim instead: the
+    fine-tuning data's own spelling, which the reference trains on.
   - system message: optional, first only. user message: exactly one; its content is the query.
   - assistant message (optional, last): `tool_calls` as `[{"type": "function", "function":
     {"name", "arguments"}}]` (bare `{"name", "arguments"}` also accepted) becomes the list of
@@ -156,7 +158,8 @@ _TEMPLATE = r"""
 {%- if state.system -%}
     {{- "<|im_start|>system\n" + escaped(state.system) + "<|im_end|>\n" -}}
 {%- endif -%}
-{{- "<|im_start|>user\n<tools>" + escaped(tools_json(tools)) + "</tools>\n" + escaped(state.query) + "<|im_end|>\n" -}}
+{%- set tools_block = tools_text if tools_text is string else tools_json(tools) -%}
+{{- "<|im_start|>user\n<tools>" + escaped(tools_block) + "</tools>\n" + escaped(state.query) + "<|im_end|>\n" -}}
 {%- if state.answer is not none or add_generation_prompt -%}
     {{- "<|im_start|>assistant\n" -}}
 {%- endif -%}

@@ -153,14 +153,17 @@ class NeedleConfig(PretrainedConfig):
             engine CQ-quantises the cache (and so does `deploy_numerics`).
         act_bits (`int`, *optional*, defaults to 8): Activation width of deployment exports (and of
             `deploy_numerics`).
-        weight_bits (`str`, *optional*, defaults to `""`): Mixed-precision weight map of deployment
-            exports (metadata, kept so that a round trip back to a native checkpoint exports the same).
+        weight_bits (`str`, *optional*, defaults to `""`): Mixed-precision CQ weight map,
+            ``"prefix=bits,...,default=bits"`` (widths 2, 3, 4 or 1.58 = ternary; prefixes such as
+            ``attn.q_proj``, ``engram``, ``embedding``, ``mhc_phi``, ``mtp``; see
+            `needle_hf.numerics.parse_bits_map`): the widths `needle-hf build` uses when given no
+            ``--bits``/``--bits-map``, and those of the QAT weights under `deploy_numerics`.
         deploy_numerics (`bool`, *optional*, defaults to `False`): Compute what the Needle engine computes
             from the `.cact` (the reference's `quant=True` forward): int8 (`act_bits`) per-row absmax
             fake quantisation of the activations entering the attention, the attention output, the
             engram rows, the final hidden state and the MTP inputs; a CQ-quantised KV cache (groups of
             64) when `kv_bits` < 8; and, in training mode only (QAT), CQ fake-quantised weights
-            (`weight_bits` map, else 4 bits, groups of 128) with straight-through gradients. Evaluate
+            (the `weight_bits` map's widths, else 4 bits; groups of 128) with straight-through gradients. Evaluate
             with it on weights dequantised from a `.cact` to see the shipped model's accuracy; train
             with it (also through PEFT) to make the model robust to the deployed quantisation.
         initializer_range (`float`, *optional*, defaults to 0.02): Std of the normal initialiser.

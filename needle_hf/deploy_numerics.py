@@ -9,8 +9,8 @@ quantisation points (the Flax twin, `deploy_numerics_flax`, has the same names a
 - `quantize_kv`: CQ quantisation of each key and value row (groups of `CQ_KV_GROUP` along head_dim)
   when ``kv_bits`` < 8, as the engine's cache stores them;
 - `training_weights`: in training mode, every CQ-stored weight (`is_cq_weight`) replaced by its CQ
-  fake quantisation (the ``weight_bits`` map's widths, else `DEFAULT_WEIGHT_BITS`), the QAT of the
-  reference's fine-tuning. A PEFT LoRA layer is quantised as merged (``W + delta``), as the engine
+  fake quantisation at its width (`weight_names.cq_weight_bits`: the ``weight_bits`` map's widths,
+  ternary included, else `DEFAULT_WEIGHT_BITS`), the QAT of the reference's fine-tuning. A PEFT LoRA layer is quantised as merged (``W + delta``), as the engine
   stores it.
 
 Every fake quantisation is straight-through: the forward value is the quantised one, the gradient
@@ -34,10 +34,9 @@ from .numerics import (
     CQ_WEIGHT_GROUP,
     cq_levels,
     cq_walsh_matrix,
-    is_cq_weight,
     kv_cache_bits,
-    qat_weight_bits,
 )
+from .weight_names import cq_weight_bits
 
 
 def _straight_through(x: torch.Tensor, quantized: torch.Tensor) -> torch.Tensor:
@@ -139,14 +138,15 @@ def training_weights(model: torch.nn.Module) -> Optional[dict[str, torch.Tensor]
     if not isinstance(model.get_input_embeddings().weight, torch.nn.Parameter):
         return None
     deltas = _lora_deltas(model)
+    widths = cq_weight_bits(config)
     weights = {}
     for name, weight in model.named_parameters():
         hf_name = name.replace(".base_layer.", ".")
-        if not is_cq_weight(hf_name):
+        if hf_name not in widths:
             continue
         with torch.no_grad():
             merged = weight + deltas[name] if name in deltas else weight
-            correction = cq_dequantized(merged, qat_weight_bits(hf_name, config.weight_bits), CQ_WEIGHT_GROUP) - merged
+            correction = cq_dequantized(merged, widths[hf_name], CQ_WEIGHT_GROUP) - merged
         weights[name] = weight + correction
     return weights
 

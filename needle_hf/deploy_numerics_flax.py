@@ -22,10 +22,9 @@ from .numerics import (
     CQ_WEIGHT_GROUP,
     cq_levels,
     cq_walsh_matrix,
-    is_cq_weight,
     kv_cache_bits,
-    qat_weight_bits,
 )
+from .weight_names import cq_weight_bits
 
 
 def _straight_through(x: jnp.ndarray, quantized: jnp.ndarray) -> jnp.ndarray:
@@ -104,19 +103,21 @@ def _hf_name(path: tuple[str, ...]) -> tuple[str, bool]:
 
 def training_weights(params, config: NeedleConfig, *, train: bool):
     """The parameters a forward runs on: `params` itself, or with ``train`` under deploy numerics every
-    CQ-stored weight CQ fake-quantised (straight-through; kernels [in, out] grouped along ``in``).
+    CQ-stored weight CQ fake-quantised at its `cq_weight_bits` width (straight-through; kernels
+    [in, out] grouped along ``in``).
 
     `params` is the (possibly prefix-less) parameter tree of the module being applied.
     """
     if not (train and config.deploy_numerics):
         return params
+    widths = cq_weight_bits(config)
     flat = flatten_dict(params)
     for path, leaf in flat.items():
         hf_name, is_kernel = _hf_name(path)
         # The backbone's names lack the "model." prefix when the bare model is applied.
-        if not is_cq_weight(hf_name) or getattr(leaf, "ndim", 0) < 2:
+        bits = widths.get(hf_name, widths.get("model." + hf_name))
+        if bits is None or getattr(leaf, "ndim", 0) < 2:
             continue
-        bits = qat_weight_bits(hf_name, config.weight_bits)
         if is_kernel:
             flat[path] = cq_fake_quant(leaf.T, bits, CQ_WEIGHT_GROUP).T
         else:

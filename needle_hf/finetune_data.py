@@ -5,13 +5,20 @@ One JSONL line is one example:
     {"query": str, "tools": [schema, ...], "answers": [{"name": str, "arguments": {...}}, ...],
      "system": str (optional), "reasoning": str (optional)}
 
-(`function_calls` is accepted in place of `answers`; `[]` answers mean "no tool applies".)
+(`function_calls` is accepted in place of `answers`; `[]` answers mean "no tool applies".) The tools
+are what the reference's `render_example` accepts: a list of schemas, bare or OpenAI-wrapped
+(`{"type": "function", "function": {...}}`), or that list as a JSON string. The prompt holds them
+as the reference writes them: a list dumped compactly (wrappers kept), a string verbatim.
 
-`load_finetune_dataset` turns a file into a `datasets.Dataset` with two columns, the layout TRL's
+`load_finetune_dataset` turns a file into a `datasets.Dataset` with three columns, the layout TRL's
 `SFTTrainer` reads for conversational data:
   - ``messages``: system (when given), user (the query) and assistant turns; the assistant turn
     carries ``tool_calls`` in the OpenAI layout and the reasoning as ``reasoning_content``;
-  - ``tools``: the tool schemas as one JSON string.
+  - ``tools``: the tool schemas as one JSON string;
+  - ``chat_template_kwargs``: ``{"tools_text": ...}``, the tools block exactly as the reference's
+    prompt spells it. The chat template writes it in place of its own rendering of ``tools`` (which
+    unwraps OpenAI wrappers, as inference requests carry them), so a wrapped or non-compact
+    spelling trains on the reference's tokens. `SFTTrainer` passes this column to the template.
 Arrow stores a column of dicts as structs with the union of every row's keys (filling the gaps with
 nulls), which would put `null` fields into tool schemas and arguments. So ``tools`` and each call's
 ``arguments`` are stored as compact JSON text; the chat template inserts the arguments text verbatim
@@ -47,15 +54,38 @@ def _compact_json(value) -> str:
     return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
 
 
+def _tool_schemas(tools, where: str) -> list:
+    """The schema list of an example's ``tools`` (a list, or its JSON string), checked."""
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError as error:
+            raise FinetuneDataError(
+                f"{where}: field 'tools': a string that is not JSON ({error.msg} at column {error.colno}); "
+                "expected a list of schema objects or its JSON text"
+            ) from None
+    if not isinstance(tools, list) or not all(isinstance(tool, dict) for tool in tools):
+        raise FinetuneDataError(f"{where}: field 'tools': expected a list of schema objects (or its JSON text), "
+                                f"found {tools!r:.60}")
+    for index, tool in enumerate(tools):
+        if tool.get("type") == "function" and not isinstance(tool.get("function"), dict):
+            raise FinetuneDataError(f"{where}: field 'tools[{index}]': an OpenAI wrapper needs a 'function' "
+                                    f"schema object, found {tool.get('function')!r:.60}")
+    return tools
+
+
+def reference_tools_text(tools) -> str:
+    """The tools block's text in the reference's prompt: a JSON string verbatim, anything else dumped compactly."""
+    return tools if isinstance(tools, str) else _compact_json(tools)
+
+
 def _check_example(example, where: str) -> list:
     """Validate one reference example and return its answers list."""
     if not isinstance(example, dict):
         raise FinetuneDataError(f"{where}: expected a JSON object, found {type(example).__name__}")
     if not isinstance(example.get("query"), str):
         raise FinetuneDataError(f"{where}: field 'query': expected a string, found {example.get('query')!r:.60}")
-    tools = example.get("tools", [])
-    if not isinstance(tools, list) or not all(isinstance(tool, dict) for tool in tools):
-        raise FinetuneDataError(f"{where}: field 'tools': expected a list of schema objects, found {tools!r:.60}")
+    _tool_schemas(example.get("tools", []), where)
     for field in ("system", "reasoning"):
         if example.get(field) is not None and not isinstance(example[field], str):
             raise FinetuneDataError(f"{where}: field '{field}': expected a string, found {example[field]!r:.60}")
@@ -74,7 +104,8 @@ def _check_example(example, where: str) -> list:
 
 
 def example_to_conversation(example: dict, *, where: str = "example") -> dict:
-    """One reference example -> ``{"messages": [...], "tools": JSON string}`` (see the module docstring)."""
+    """One reference example -> ``{"messages": [...], "tools": JSON string, "chat_template_kwargs":
+    {"tools_text": str}}`` (see the module docstring)."""
     answers = _check_example(example, where)
     messages = []
     if example.get("system"):
@@ -89,7 +120,12 @@ def example_to_conversation(example: dict, *, where: str = "example") -> dict:
             for call in answers
         ],
     })
-    return {"messages": messages, "tools": _compact_json(example.get("tools", []))}
+    tools = example.get("tools", [])
+    return {
+        "messages": messages,
+        "tools": _compact_json(_tool_schemas(tools, where)),
+        "chat_template_kwargs": {"tools_text": reference_tools_text(tools)},
+    }
 
 
 def read_finetune_jsonl(path) -> list[dict]:
@@ -123,19 +159,23 @@ def conversations_dataset(examples: Iterable[dict]):
 
 
 def load_finetune_dataset(path):
-    """`datasets.Dataset` (columns ``messages``, ``tools``) of a Needle fine-tuning JSONL file."""
+    """`datasets.Dataset` (columns ``messages``, ``tools``, ``chat_template_kwargs``) of a Needle fine-tuning JSONL file."""
     return conversations_dataset(read_finetune_jsonl(path))
 
 
-def encode_conversation(tokenizer, messages: list, tools) -> tuple[list[int], list[int]]:
+def encode_conversation(
+    tokenizer, messages: list, tools, *, chat_template_kwargs: Optional[dict] = None
+) -> tuple[list[int], list[int]]:
     """Training ids and loss mask (1 on the assistant target and EOS) of one conversation.
 
-    ``tools`` is the list of schemas or its JSON string (the dataset column).
+    ``tools`` is the list of schemas or its JSON string (the dataset column); ``chat_template_kwargs``
+    the dataset column of that name (``tools_text``), as `SFTTrainer` passes it.
     """
     if isinstance(tools, str):
         tools = json.loads(tools)
     encoded = tokenizer.apply_chat_template(
-        messages, tools=tools, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        messages, tools=tools, tokenize=True, return_dict=True, return_assistant_tokens_mask=True,
+        **(chat_template_kwargs or {}),
     )
     return list(encoded["input_ids"]), [int(value) for value in encoded["assistant_masks"]]
 
@@ -147,7 +187,8 @@ def tokenize_conversations(dataset, tokenizer, *, max_length: Optional[int] = No
     """
 
     def encode(row):
-        ids, mask = encode_conversation(tokenizer, row["messages"], row["tools"])
+        ids, mask = encode_conversation(tokenizer, row["messages"], row["tools"],
+                                        chat_template_kwargs=row.get("chat_template_kwargs"))
         labels = [token if keep else IGNORE_INDEX for token, keep in zip(ids, mask)]
         if max_length is not None:
             ids, labels = ids[:max_length], labels[:max_length]

@@ -95,6 +95,10 @@ from .numerics import (
 from .speculative import mtp_generate, trim_to_max_length
 from .weight_names import NeedleWeightsError  # the one exception of both twins' strict loading
 
+# deploy_numerics reads the QAT widths from the weight table. Imported here too because transformers
+# copies only a model file's own relative imports out of a local folder (trust_remote_code=True).
+from .weight_names import cq_weight_bits  # noqa: F401
+
 # Name of the cache field in transformers' model outputs: `cache` from the 5.x rename on,
 # `past_key_values` before. GenerationMixin reads the cache back from this field.
 CACHE_OUTPUT_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"

@@ -19,6 +19,7 @@ statement (`conversion/native_forward.py`); lower case in einsum strings:
 from __future__ import annotations
 
 import functools
+import re
 
 import numpy as np
 
@@ -135,6 +136,12 @@ CQ_NORM_FLOOR = 1e-12
 KV_BITS_UNQUANTISED = 8
 # CQ width of the weights when `weight_bits` names no map (the engine's default `.cact`).
 DEFAULT_WEIGHT_BITS = 4
+# Widths with a Lloyd-Max level set (the `.cact` header carries these, in this order), and ternary:
+# spelled 1.58 (log2(3), rounded) in bits maps, levels {-c, 0, +c} / sqrt(group).
+CQ_CODEBOOK_BITS = (2, 3, 4)
+TERNARY_BITS = 1.58
+TERNARY_LEVEL = 1.2240064
+CQ_WEIGHT_BITS = (*CQ_CODEBOOK_BITS, TERNARY_BITS)
 # HF parameter names (PyTorch layout) stored as CQ records: every projection, the token embedding
 # and the engram tables; a projection's groups run along its input axis (the last axis in this layout).
 CQ_WEIGHT_NAME_SUFFIXES = ("proj.weight", "embed_tokens.weight", ".tables")
@@ -160,9 +167,15 @@ def gaussian_lloyd_max(bits: int) -> np.ndarray:
 
 
 @functools.cache
-def cq_levels(bits: int, group: int) -> np.ndarray:
-    """The float32 CQ level set of an integer width for groups of `group` (read-only)."""
-    levels = (gaussian_lloyd_max(bits) / np.sqrt(group)).astype(np.float32)
+def cq_levels(bits, group: int) -> np.ndarray:
+    """The float32, increasing CQ level set of a width (2, 3, 4 or `TERNARY_BITS`) for groups of `group` (read-only)."""
+    if bits == TERNARY_BITS:
+        unit = np.array([-TERNARY_LEVEL, 0.0, TERNARY_LEVEL])
+    elif isinstance(bits, int) and bits >= 1:  # a KV cache may be 1..7 bits wide, weights 2..4
+        unit = gaussian_lloyd_max(bits)
+    else:
+        raise ValueError(f"CQ width {bits}: expected one of {CQ_WEIGHT_BITS} ({TERNARY_BITS} = ternary)")
+    levels = (unit / np.sqrt(group)).astype(np.float32)
     levels.flags.writeable = False
     return levels
 
@@ -180,18 +193,93 @@ def is_cq_weight(hf_name: str) -> bool:
     return hf_name.endswith(CQ_WEIGHT_NAME_SUFFIXES)
 
 
-def qat_weight_bits(hf_name: str, weight_bits: str) -> int:
-    """CQ width a weight is fake-quantised to in QAT: `DEFAULT_WEIGHT_BITS` unless `weight_bits` maps widths."""
-    if weight_bits:
-        raise ValueError(
-            f"deploy_numerics trains on a uniform {DEFAULT_WEIGHT_BITS}-bit CQ weight set; config.weight_bits "
-            f"{weight_bits!r} (a mixed-precision map) is not supported for QAT: set weight_bits to ''"
-        )
-    return DEFAULT_WEIGHT_BITS
-
-
 def kv_cache_bits(config) -> int | None:
     """CQ width of the KV cache the deployed model runs with, or None when it is not quantised."""
     if config.deploy_numerics and config.kv_bits < KV_BITS_UNQUANTISED:
         return config.kv_bits
     return None
+
+
+# --------------------------------------------------------------------------------------------------
+# Bits maps: mixed-precision CQ widths, "prefix=bits,...,default=bits" (`NeedleConfig.weight_bits`,
+# `needle-hf build --bits-map`). Entries name tensors by a canonical prefix ("attn.q_proj",
+# "engram0.tables", "embedding", "mhc_phi_pre", "mtp.q_proj"); a tensor takes the width of its
+# longest matching prefix, else the default. `.cact` record names ("layer03.q_proj") and native
+# parameter paths ("stack/layers/block/self_attn/q_proj/kernel") canonicalise to the same names, so
+# one map means the same widths to the exporter and to QAT (`weight_names.cq_weight_bits`).
+
+
+class BitsMapError(ValueError):
+    """A bits-map specification that cannot be used; the message names the entry."""
+
+
+# Rewrites, applied in order, that turn a `.cact` record name or a native parameter path into the
+# canonical name bits maps match on.
+_CANONICAL_REWRITES = (
+    (re.compile(r"^layer\d+\."), "attn."),
+    (re.compile(r"^engrams?_?(\d+)[./]?"), r"engram\1."),
+    (re.compile(r"^stack/"), ""),
+    (re.compile(re.escape("layers/block/self_attn/")), "attn."),
+    (re.compile(re.escape("mtp_block/self_attn/")), "mtp."),
+    (re.compile(r"/kernel$"), ""),
+    (re.compile(r"^embedding/embedding$"), "embedding"),
+    (re.compile(r"^(engram\d+\.)embedding$"), r"\1tables"),
+    (re.compile("/"), "."),
+)
+
+
+def canonical_tensor_name(name: str) -> str:
+    """The name a bits map matches against (see `_CANONICAL_REWRITES`)."""
+    for pattern, replacement in _CANONICAL_REWRITES:
+        name = pattern.sub(replacement, name)
+    return name
+
+
+def _width(text: str, entry: str):
+    try:
+        value = float(text)
+    except ValueError:
+        raise BitsMapError(f"bits map entry {entry!r}: width {text!r} is not a number") from None
+    if value == TERNARY_BITS:
+        return TERNARY_BITS
+    if not value.is_integer() or "." in text.strip():
+        raise BitsMapError(f"bits map entry {entry!r}: width {text!r}, expected one of 2, 3, 4 or {TERNARY_BITS}")
+    return int(value)
+
+
+def parse_bits_map(spec: str) -> tuple[dict, object]:
+    """Parse "prefix=bits,...,default=bits" into ({canonical prefix: bits}, default bits).
+
+    Prefixes may be canonical names ("attn.q_proj", "engram", "embedding", "mhc_phi") or native
+    paths, which are canonicalised; a later entry for the same prefix replaces an earlier one.
+    Widths: 2, 3, 4, or 1.58 for ternary. A `default` entry is required.
+    """
+    prefixes, default = {}, None
+    for entry in str(spec or "").split(","):
+        if not entry.strip():
+            continue
+        if "=" not in entry:
+            raise BitsMapError(f"bits map {spec!r}: entry {entry.strip()!r} is not of the form name=bits")
+        name, text = (part.strip() for part in entry.split("=", 1))
+        width = _width(text, entry.strip())
+        if width not in CQ_WEIGHT_BITS:
+            raise BitsMapError(f"bits map {spec!r}: width {width} for {name!r}, expected one of 2, 3, 4 or {TERNARY_BITS}")
+        if name == "default":
+            default = width
+        else:
+            prefixes[canonical_tensor_name(name)] = width
+    if default is None:
+        raise BitsMapError(f"bits map {spec!r} has no default=<bits> entry (every other tensor needs a width)")
+    return prefixes, default
+
+
+def bits_for(tensor_name: str, prefixes: dict, default):
+    """The width of a tensor (record name or native path): the longest matching canonical prefix, else the default."""
+    canonical = canonical_tensor_name(tensor_name)
+    matches = [prefix for prefix in prefixes if canonical.startswith(prefix)]
+    return prefixes[max(matches, key=len)] if matches else default
+
+
+def weight_bits_map(weight_bits: str) -> tuple[dict, object]:
+    """(prefixes, default) of a config's `weight_bits`: its map, or every weight at `DEFAULT_WEIGHT_BITS`."""
+    return parse_bits_map(weight_bits) if weight_bits else ({}, DEFAULT_WEIGHT_BITS)

@@ -53,7 +53,7 @@ from typing import Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from .numerics import CONFIDENCE_PROBES, CONTRASTIVE_PROBES, TIED_WEIGHTS
+from .numerics import CONFIDENCE_PROBES, CONTRASTIVE_PROBES, TIED_WEIGHTS, bits_for, is_cq_weight, weight_bits_map
 
 
 @dataclass(frozen=True)
@@ -170,6 +170,21 @@ OPTIONAL_HF_PREFIXES = {
 
 # Name prefixes of the optional heads' tensors: the bare backbone leaves them unread.
 HEAD_PREFIXES = tuple(OPTIONAL_HF_PREFIXES.values())
+
+
+def cq_weight_bits(config) -> dict[str, int | float]:
+    """HF name -> CQ width of every CQ-stored weight (`is_cq_weight`) of a model with this config.
+
+    The widths of the config's `weight_bits` map (else `DEFAULT_WEIGHT_BITS` everywhere), matched on
+    each weight's native path as the reference's QAT matches them, so a layer's weights share their
+    stacked leaf's width; `.cact` records ("layer03.q_proj") canonicalise to the same names.
+    """
+    prefixes, default = weight_bits_map(config.weight_bits)
+    return {
+        spec.hf_name: bits_for("/".join(spec.native_path), prefixes, default)
+        for spec in weight_specs(config)
+        if is_cq_weight(spec.hf_name)
+    }
 
 
 def hf_weight_shapes(config, *, prefix: str = "") -> dict[str, tuple[int, ...]]:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from needle_hf.cli import main
-from needle_hf.conversion import quantize
+from needle_hf import numerics
 from needle_hf.conversion.cact import read_cact_tensors
 from needle_reference import TINY_NATIVE_CONFIG, make_native_params, reference_config, write_native_checkpoint
 from spm_fixture import FIXTURE_VOCAB_SIZE
@@ -126,20 +126,20 @@ def test_reader_reads_the_build_back_as_the_reference_dequantizes_it(hf_dir, tmp
 def test_codebooks_equal_the_reference_fit():
     from needle.model.quantize import _cq_codebook_np
 
-    for bits in (2, 3, 4, quantize.TERNARY_BITS):
+    for bits in (2, 3, 4, numerics.TERNARY_BITS):
         for group in (32, 128):
-            assert quantize.levels_for(bits, group).tobytes() == _cq_codebook_np(bits, group).tobytes()
+            assert numerics.cq_levels(bits, group).tobytes() == _cq_codebook_np(bits, group).tobytes()
 
 
 def test_bits_map_names_follow_the_reference():
     from needle.model.quantize import _bits_for, parse_bits_map
 
     spec = "stack/layers/block/self_attn/q_proj/kernel=2,engrams_1/embedding=3,attn.k=1.58,embedding=3,default=4"
-    ours, theirs = quantize.parse_bits_map(spec), parse_bits_map(spec)
+    ours, theirs = numerics.parse_bits_map(spec), parse_bits_map(spec)
     assert ours == theirs
     names = ["embedding", "layer00.q_proj", "layer02.k_proj", "layer01.out_proj", "mhc_phi_pre",
              "engram0.tables", "engram1.tables", "engram1.key_proj"]
-    assert [quantize.bits_for(n, *ours) for n in names] == [_bits_for(n, *theirs) for n in names]
+    assert [numerics.bits_for(n, *ours) for n in names] == [_bits_for(n, *theirs) for n in names]
 
 
 @pytest.mark.parametrize(

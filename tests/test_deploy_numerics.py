@@ -21,8 +21,15 @@ from needle_hf import deploy_numerics, deploy_numerics_flax
 from needle_hf.configuration_needle import NeedleConfig
 from needle_hf.modeling_flax_needle import FlaxNeedleForCausalLM
 from needle_hf.modeling_needle import NeedleForCausalLM
-from needle_hf.numerics import CQ_KV_GROUP, CQ_WEIGHT_GROUP, is_cq_weight
-from needle_hf.weight_names import native_to_hf, weight_specs
+from needle_hf.numerics import (
+    CQ_KV_GROUP,
+    CQ_WEIGHT_GROUP,
+    DEFAULT_WEIGHT_BITS,
+    TERNARY_BITS,
+    BitsMapError,
+    is_cq_weight,
+)
+from needle_hf.weight_names import cq_weight_bits, native_to_hf, weight_specs
 
 TOLERANCE = 1e-4
 SEQUENCE_LENGTH = 20
@@ -51,10 +58,24 @@ def tokens() -> np.ndarray:
     return make_tokens()
 
 
+# A mixed-precision map touching every kind of CQ weight, ternary included (names as the reference's
+# bits maps spell them: native/export names, so `attn.out_proj` is HF's `o_proj`).
+MIXED_BITS_MAP = "attn.q_proj=2,attn.out_proj=1.58,engram=3,engram1.tables=1.58,mhc_phi_res=2,mtp=2,contrastive_head=2,default=4"
+
+
+def reference_qat_weights(params: dict, weight_bits: str) -> dict:
+    """`finetune_local`'s QAT weights: `cq_ste_mixed_params` for the config's map, else `cq_ste_params` W4."""
+    from needle.model import quantize as reference_quantize
+
+    if weight_bits:
+        return reference_quantize.cq_ste_mixed_params(params, *reference_quantize.parse_bits_map(weight_bits))
+    return reference_quantize.cq_ste_params(params, 4)
+
+
 @functools.lru_cache(maxsize=None)
-def _reference_outputs(act_bits: int, kv_bits: int) -> dict:
+def _reference_outputs(act_bits: int, kv_bits: int, weight_bits: str = "") -> dict:
     """The reference's `quant=True` (logits, mtp_logits) for the module's parameters and tokens:
-    "eval" on the weights as they are, "qat" on its QAT weights (`cq_ste_params` W4, as
+    "eval" on the weights as they are, "qat" on its QAT weights (`reference_qat_weights`, as
     `finetune_local` trains). One compile per width (the reference reads them from globals)."""
     from needle.model import quantize as reference_quantize
     from needle.model.architecture import SimpleAttentionNetwork
@@ -65,7 +86,7 @@ def _reference_outputs(act_bits: int, kv_bits: int) -> dict:
     try:
         apply = jax.jit(lambda p, t: model.apply({"params": p}, t, quant=True, return_mtp=True))
         outputs = {}
-        for name, weights in (("eval", params), ("qat", reference_quantize.cq_ste_params(params, 4))):
+        for name, weights in (("eval", params), ("qat", reference_qat_weights(params, weight_bits))):
             logits, mtp = apply(weights, jnp.asarray(tokens))
             outputs[name] = (np.asarray(logits), np.asarray(mtp))
         return outputs
@@ -187,6 +208,41 @@ def test_both_models_compute_the_reference_quant_forward_and_its_qat(native_para
     assert max_difference(plain, expected["eval"][0]) > 100 * TOLERANCE
 
 
+def test_cq_weight_widths_follow_the_reference_bits_map(native_params):
+    """`cq_weight_bits` gives each HF weight the width the reference's QAT gives its native leaf."""
+    from needle.model.quantize import _bits_for, parse_bits_map, quant_leaf_names
+
+    config = deploy_config(act_bits=8, kv_bits=8, weight_bits=MIXED_BITS_MAP)
+    reference = {name: _bits_for(name, *parse_bits_map(MIXED_BITS_MAP)) for name, _ in quant_leaf_names(native_params)}
+    widths = cq_weight_bits(config)
+    ours = {"/".join(spec.native_path): widths[spec.hf_name] for spec in weight_specs(config) if spec.hf_name in widths}
+    assert ours == reference
+    assert set(ours.values()) == {2, 3, 4, TERNARY_BITS}
+    assert set(cq_weight_bits(deploy_config(act_bits=8, kv_bits=8)).values()) == {DEFAULT_WEIGHT_BITS}
+    with pytest.raises(BitsMapError, match="no default"):
+        cq_weight_bits(deploy_config(act_bits=8, kv_bits=8, weight_bits="attn.q_proj=2"))
+
+
+def test_qat_under_a_mixed_bits_map_equals_the_reference(native_params, hf_folder, tokens):
+    """Training mode with `weight_bits` = a mixed map (2, 3, 4 bits and ternary) = the reference's
+    `cq_ste_mixed_params` + `quant=True` forward, logits and MTP logits, both frameworks.
+
+    At the engine's default 8-bit activations and unquantised KV cache: with a 4-bit cache this map
+    puts one key of the reference's a float32 rounding from a level boundary (our weights equal its
+    QAT weights to 1e-6; the discontinuity is the one explained above)."""
+    logits, mtp_logits = _reference_outputs(8, 8, MIXED_BITS_MAP)["qat"]
+    config = deploy_config(act_bits=8, kv_bits=8, weight_bits=MIXED_BITS_MAP)
+    with torch.no_grad():
+        found = torch_model(config, native_params).train()(torch.from_numpy(tokens).long(), return_mtp_logits=True)
+    flax = flax_model(config, hf_folder)
+    flax_found = jax.jit(lambda p, t: flax(t, params=p, train=True, output_mtp_logits=True))(flax.params, jnp.asarray(tokens))
+    for framework, out in (("torch", found), ("flax", flax_found)):
+        assert max_difference(out.logits, logits) <= TOLERANCE, framework
+        assert max_difference(out.mtp_logits, mtp_logits) <= TOLERANCE, framework
+    # The map matters: the uniform 4-bit QAT forward is far from it.
+    assert max_difference(_reference_outputs(8, 8)["qat"][0], logits) > 100 * TOLERANCE
+
+
 def test_qat_gradients_flow_straight_through_the_weights(native_params, hf_folder, tokens):
     """d loss / d W of the QAT forward is the gradient at the quantised weights, in both frameworks."""
     config = deploy_config(act_bits=8, kv_bits=4)
@@ -250,13 +306,14 @@ def test_config_switch_round_trips_and_is_checked(tmp_path):
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "gate_proj", "o_proj"]
 
 
-def test_peft_lora_qat_step_quantises_the_merged_weights_and_trains_the_adapter(native_params, tokens):
+@pytest.mark.parametrize("weight_bits", ["", MIXED_BITS_MAP], ids=["w4", "mixed-map"])
+def test_peft_lora_qat_step_quantises_the_merged_weights_and_trains_the_adapter(native_params, tokens, weight_bits):
     import copy
 
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(0)
-    model = torch_model(deploy_config(act_bits=8, kv_bits=4), native_params)
+    model = torch_model(deploy_config(act_bits=8, kv_bits=4, weight_bits=weight_bits), native_params)
     peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=LORA_TARGETS))
     with torch.no_grad():  # a trained-looking adapter, so the merged weights differ from the base
         for name, p in peft_model.named_parameters():
@@ -294,16 +351,18 @@ def test_peft_lora_qat_step_quantises_the_merged_weights_and_trains_the_adapter(
         assert peft_model(input_ids=ids, labels=ids).loss.item() < loss.item()
 
 
-def test_evaluation_under_deploy_numerics_predicts_the_built_cact(native_params, hf_folder, tokens, tmp_path):
+@pytest.mark.parametrize("weight_bits", ["", MIXED_BITS_MAP], ids=["w4", "mixed-map"])
+def test_evaluation_under_deploy_numerics_predicts_the_built_cact(native_params, hf_folder, tokens, tmp_path, weight_bits):
     """Eval on the `.cact`'s dequantised weights is predicted by the QAT forward on the original weights
-    (same argmax everywhere, over 10x closer than full precision). What remains is the quantised
+    (same argmax everywhere, over 10x closer than full precision), for the default 4-bit build and for
+    a build with the config's mixed map (`--bits-map` = `weight_bits`). What remains is the quantised
     forward's discontinuity: the blob's CQ weights equal ours to float32 rounding except where a value
     sits on a level boundary, and moving one weight by 3e-5 moves the int8 activations downstream."""
     from conversion.build import build_cact
     from conversion.cact import read_cact
 
     cact_path = tmp_path / "model.cact"
-    build_cact(hf_folder, cact_path, bits=4, embed_tokenizer=False)
+    build_cact(hf_folder, cact_path, **(dict(bits_map=weight_bits) if weight_bits else dict(bits=4)), embed_tokenizer=False)
     shipped = read_cact(cact_path)
     heads = dict(use_mtp_head=False, use_contrastive_head=True, use_confidence_head=True)
     cact_config = NeedleConfig.from_needle_config(shipped.config, deploy_numerics=True, **heads)
@@ -311,7 +370,7 @@ def test_evaluation_under_deploy_numerics_predicts_the_built_cact(native_params,
     cact_weights = native_to_hf(shipped.params, cact_config)
     cact_model.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in cact_weights.items()}, strict=True)
 
-    original = torch_model(deploy_config(act_bits=8, kv_bits=shipped.config["kv_bits"]), native_params)
+    original = torch_model(deploy_config(act_bits=8, kv_bits=shipped.config["kv_bits"], weight_bits=weight_bits), native_params)
     ids = torch.from_numpy(tokens).long()
     with torch.no_grad():
         engine = cact_model.eval()(ids).logits
@@ -319,9 +378,12 @@ def test_evaluation_under_deploy_numerics_predicts_the_built_cact(native_params,
         original.config.deploy_numerics = False
         full_precision = original.eval()(ids).logits
 
-    # The QAT weights are the blob's CQ tensors.
-    substituted = deploy_numerics.cq_dequantized(original.model.layers[0].self_attn.q_proj.weight.detach(), 4, CQ_WEIGHT_GROUP)
-    assert max_difference(substituted, cact_weights["model.layers.0.self_attn.q_proj.weight"]) <= 1e-6
+    # The QAT weights are the blob's CQ tensors, at the same widths.
+    widths = cq_weight_bits(original.config)
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.o_proj.weight", "model.engrams.1.tables"):
+        weight = original.get_parameter(name).detach()
+        substituted = deploy_numerics.cq_dequantized(weight, widths[name], CQ_WEIGHT_GROUP)
+        assert max_difference(substituted, cact_weights[name]) <= 1e-6, name
     predicted_error = max_difference(engine, predicted)
     full_precision_error = max_difference(engine, full_precision)
     assert predicted_error <= 0.1 * full_precision_error
