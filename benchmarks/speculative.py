@@ -70,7 +70,8 @@ def run_rows(model, prompts, new_tokens):
                 raise AssertionError(f"{name} changed the greedy tokens of prompt {i}")
             tokens += sequences.shape[1] - inputs["input_ids"].shape[1]
             if hasattr(out, "drafted"):
-                drafted, accepted, forwards = drafted + out.drafted, accepted + out.accepted, forwards + out.forwards
+                # `out.forwards` counts the backbone forwards after the prompt's, which writes the first token.
+                drafted, accepted, forwards = drafted + out.drafted, accepted + out.accepted, forwards + out.forwards + 1
         results[name] = (seconds, tokens, drafted, accepted, forwards)
     return results
 
@@ -121,7 +122,7 @@ def report(title, results):
     base = results["plain"][1] / results["plain"][0]
     for name, (seconds, tokens, drafted, accepted, forwards) in results.items():
         rate = tokens / seconds
-        extra = (f"{accepted / drafted:.1%} | {(tokens) / max(forwards + 1, 1) * 1.0:.2f}" if drafted else "- | -")
+        extra = f"{accepted / drafted:.1%} | {tokens / forwards:.2f}" if drafted else "- | -"
         print(f"| {name} | {rate:.1f} | {rate / base:.2f}x | {extra} |")
 
 

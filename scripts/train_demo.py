@@ -11,7 +11,8 @@ Steps, each printed:
      warm-up and cosine decay, gradient clipping 1.0;
   4. train the contrastive and confidence heads on the fixed backbone (`needle_hf.finetune_heads`:
      the reference has no objective for them, so InfoNCE of queries against a catalogue of the five
-     tools and distractor tools, and binary cross-entropy of right against corrupted answers);
+     tools and 8 distractor tools, and binary cross-entropy of right against corrupted answers:
+     another tool, a changed or a dropped argument);
   5. measure on the held-out prompts: exact tool calls of greedy `generate()` (name and every
      argument), the MTP head's draft acceptance under `generate(use_mtp=True)` (batch 1), routing
      recall@1/@3 over a catalogue of the five tools and every distractor (half of them never seen in
@@ -45,10 +46,14 @@ HELD_OUT_EXAMPLES = 200
 MTP_LOSS_WEIGHT = 0.3
 MAX_NEW_TOKENS = 48  # the longest demo answer is 45 tokens with its EOS
 MTP_PROMPTS = 60  # held-out prompts decoded one by one with use_mtp=True
-CONFIDENCE_LOSS_WEIGHT = 0.3
-WRONG_ANSWER_EVERY = 2  # one training row in two brings a corrupted answer for the confidence loss
-HEAD_STEPS = 100
-HEAD_EXAMPLES = 1200  # training queries of the contrastive head
+# 0: the confidence head is fitted on the fixed backbone in step 4. > 0 adds its loss to step 3 (one
+# training row in WRONG_ANSWER_EVERY brings a wrong answer), so the backbone learns to tell right
+# from wrong; 50 steps of that left its loss at chance, and it costs half a training step more.
+CONFIDENCE_LOSS_WEIGHT = 0.0
+WRONG_ANSWER_EVERY = 2
+HEAD_STEPS = 300
+HEAD_LEARNING_RATE = 1e-2
+HEAD_EXAMPLES = 600  # training examples of the heads: each one's query, right answer and one corrupted answer
 CONFIDENCE_THRESHOLD = 0.5
 
 
@@ -168,6 +173,21 @@ def routing_training_data(tokenizer, examples, catalogue) -> dict:
             "tool_ids": tokenizer([tool_text(tool) for tool in catalogue])["input_ids"]}
 
 
+def confidence_training_data(tokenizer, examples, *, seed: int) -> dict:
+    """`train_heads` inputs of the confidence head: each example's right answer and one corrupted answer."""
+    import random
+
+    from needle_hf.demo_data import corrupt_demo_answers
+    from needle_hf.finetune_heads import turn_ids
+
+    rng = random.Random(seed)
+    turns, labels = [], []
+    for example in examples:
+        turns += [turn_ids(tokenizer, example), turn_ids(tokenizer, {**example, "answers": corrupt_demo_answers(example, rng)})]
+        labels += [1.0, 0.0]
+    return {"turns": turns, "labels": labels}
+
+
 def with_wrong_answers(tokenizer, rows, examples, *, every: int, seed: int):
     """``rows`` (tokenized ``examples``) plus a ``wrong_input_ids`` column: the turn of a corrupted answer
     for one row in ``every``, ``[]`` for the others (`ConfidenceRowsCollator`)."""
@@ -196,7 +216,7 @@ def main(argv=None) -> int:
         DEMO_DATA_TOOLS, DEMO_HELD_OUT_SEED, DEMO_TRAIN_SEED, DISTRACTOR_TOOLS, TRAINING_DISTRACTORS,
         corrupt_demo_answers, make_demo_examples,
     )
-    from needle_hf.finetune_data import conversations_dataset, tokenize_conversations
+    from needle_hf.finetune_data import NeedlePaddingCollator, conversations_dataset, tokenize_conversations
     from needle_hf.finetune_heads import ConfidenceRowsCollator, train_heads, turn_ids
     from needle_hf.finetune_torch import NeedleTrainer
     from needle_hf.modeling_needle import NeedleForCausalLM
@@ -218,15 +238,18 @@ def main(argv=None) -> int:
               " (no held-out query occurs in training)")
         train_examples = make_demo_examples(TRAIN_EXAMPLES, seed=DEMO_TRAIN_SEED, split="train")
         train = tokenize_conversations(conversations_dataset(train_examples), tokenizer)
-        train = with_wrong_answers(tokenizer, train, train_examples, every=WRONG_ANSWER_EVERY, seed=DEMO_TRAIN_SEED)
+        joint_confidence = args.confidence_loss_weight > 0
+        if joint_confidence:
+            train = with_wrong_answers(tokenizer, train, train_examples, every=WRONG_ANSWER_EVERY, seed=DEMO_TRAIN_SEED)
         held_out = make_demo_examples(HELD_OUT_EXAMPLES, seed=DEMO_HELD_OUT_SEED, split="held_out")
         held_out_rows = tokenize_conversations(conversations_dataset(held_out), tokenizer)
-        held_out_rows = held_out_rows.add_column("wrong_input_ids", [[]] * len(held_out))
+        if joint_confidence:
+            held_out_rows = held_out_rows.add_column("wrong_input_ids", [[]] * len(held_out))
         longest = max(len(ids) for ids in train["input_ids"])
         print(f"      up to {longest} tokens per example")
 
-        print(f"[3/6] NeedleTrainer: {args.steps} steps of {args.batch_size}, next-token + {args.mtp_loss_weight} x MTP"
-              f" + {args.confidence_loss_weight} x confidence loss (a wrong answer for one row in {WRONG_ANSWER_EVERY})")
+        print(f"[3/6] NeedleTrainer: {args.steps} steps of {args.batch_size}, next-token + {args.mtp_loss_weight} x MTP loss"
+              + (f" + {args.confidence_loss_weight} x confidence loss" if joint_confidence else ""))
         trainer = NeedleTrainer(
             model=model,
             args=TrainingArguments(
@@ -238,7 +261,8 @@ def main(argv=None) -> int:
                 disable_tqdm=True,
             ),
             train_dataset=train,
-            data_collator=ConfidenceRowsCollator(pad_token_id=tokenizer.pad_token_id),
+            data_collator=(ConfidenceRowsCollator if joint_confidence else NeedlePaddingCollator)(
+                pad_token_id=tokenizer.pad_token_id),
             mtp_loss_weight=args.mtp_loss_weight,
             confidence_loss_weight=args.confidence_loss_weight,
         )
@@ -250,11 +274,15 @@ def main(argv=None) -> int:
         model.eval()
 
         training_catalogue = DEMO_DATA_TOOLS + DISTRACTOR_TOOLS[:TRAINING_DISTRACTORS]
-        print(f"[4/6] contrastive head on the fixed backbone: {args.head_steps} steps of InfoNCE over"
-              f" {len(training_catalogue)} tools")
-        data = routing_training_data(tokenizer, train_examples[:HEAD_EXAMPLES], training_catalogue)
-        history = train_heads(model, **data, steps=args.head_steps, seed=0, log_every=50)
-        results["contrastive_loss_first_last"] = [history[0][0], history[-1][0]]
+        print(f"[4/6] heads on the fixed backbone, {args.head_steps} steps: InfoNCE over {len(training_catalogue)} tools"
+              + ("" if joint_confidence else "; binary cross-entropy of right vs corrupted answers"))
+        examples = train_examples[:HEAD_EXAMPLES]
+        data = routing_training_data(tokenizer, examples, training_catalogue)
+        if not joint_confidence:
+            data.update(confidence_training_data(tokenizer, examples, seed=DEMO_TRAIN_SEED))
+        history = train_heads(model, **data, steps=args.head_steps, learning_rate=HEAD_LEARNING_RATE, seed=0,
+                              log_every=100)
+        results["head_losses_first_last"] = [list(history[0]), list(history[-1])]
 
         print(f"[5/6] held-out measurements ({HELD_OUT_EXAMPLES} prompts)")
         answers = greedy_answers(model, tokenizer, held_out)

@@ -156,3 +156,22 @@ def test_trainer_confidence_term_is_the_heads_loss_on_the_turns_scored_one_by_on
     assert found == pytest.approx(expected, abs=TOLERANCE)
     with pytest.raises(ValueError, match="ConfidenceRowsCollator"):
         trainer.compute_loss(model, {k: batch[k][:3] for k in ("input_ids", "attention_mask", "labels")})
+
+
+def test_shipped_demo_heads_route_held_out_queries_and_score_right_answers_above_wrong_ones(demo_model, demo_tokenizer):
+    from needle_hf.demo_data import DEMO_HELD_OUT_SEED
+    from needle_hf.tool_routing import answer_confidence, embed_tools, rank_tools
+
+    examples = make_demo_examples(20, seed=DEMO_HELD_OUT_SEED, split="held_out")
+    catalogue = DEMO_DATA_TOOLS + DISTRACTOR_TOOLS  # half the distractors were never trained against
+    embeddings = embed_tools(demo_model, demo_tokenizer, catalogue)
+    top = [rank_tools(demo_model, demo_tokenizer, e["query"], catalogue, top_k=1, tool_embeddings=embeddings)[0]
+           for e in examples]
+    assert sum(entry.tool["name"] == e["answers"][0]["name"] for entry, e in zip(top, examples)) >= 18
+
+    rng = random.Random(0)
+    right = [torch.tensor([turn_ids(demo_tokenizer, e)]) for e in examples]
+    wrong = [torch.tensor([turn_ids(demo_tokenizer, {**e, "answers": corrupt_demo_answers(e, rng)})]) for e in examples]
+    right = torch.cat([answer_confidence(demo_model, ids) for ids in right])
+    wrong = torch.cat([answer_confidence(demo_model, ids) for ids in wrong])
+    assert right.mean() > wrong.mean() + RIGHT_WRONG_MARGIN, (right, wrong)

@@ -28,8 +28,7 @@ from needle_hf.demo_data import make_demo_examples
 from needle_hf.finetune_data import NeedlePaddingCollator, conversations_dataset, tokenize_conversations
 from needle_hf.finetune_torch import NeedleTrainer, needle_causal_lm_loss, needle_lora_config
 from needle_hf.modeling_needle import NeedleForCausalLM
-from needle_hf.tokenization_needle import PAD_ID, build_fast_tokenizer
-from needle_hf.weight_names import native_to_hf
+from needle_hf.tokenization_needle import PAD_ID
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")  # conftest: torch on one thread
 
@@ -126,22 +125,11 @@ def test_trl_sft_trainer_with_assistant_only_loss_lowers_the_held_out_loss(tmp_p
     assert after < before - 0.1, (before, after)
 
 
-def test_shipped_demo_model_answers_held_out_prompts_with_the_exact_calls():
-    import pickle
-    from pathlib import Path
-
+def test_shipped_demo_model_answers_held_out_prompts_with_the_exact_calls(demo_model, demo_tokenizer):
     from needle_hf.demo_data import DEMO_HELD_OUT_SEED
     from needle_hf.tool_calls import ToolCallParseError, parse_tool_calls
-    from needle_hf.weight_names import optional_heads_in_native
 
-    demo = Path(__file__).resolve().parent.parent / "scripts" / "demo"
-    with open(demo / "needle2-demo.pkl", "rb") as handle:
-        checkpoint = pickle.load(handle)
-    config = NeedleConfig.from_needle_config(checkpoint["config"], **optional_heads_in_native(checkpoint["params"]))
-    model = NeedleForCausalLM(config)
-    model.load_state_dict({k: torch.from_numpy(v) for k, v in native_to_hf(checkpoint["params"], config).items()})
-    tokenizer = build_fast_tokenizer(str(demo / "tokenizer.model"))
-    tokenizer.padding_side = "left"
+    model, tokenizer = demo_model, demo_tokenizer  # the Needle tokenizer pads on the left
     examples = make_demo_examples(10, seed=DEMO_HELD_OUT_SEED, split="held_out")  # queries never trained on
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": e["query"]}], tools=e["tools"],
                                              add_generation_prompt=True, tokenize=False) for e in examples]
