@@ -36,6 +36,9 @@ from needle_hf.modeling_needle import NeedleForCausalLM
 from needle_hf.tool_routing import tool_text
 
 TOLERANCE = 1e-5
+# Shipped demo: mean confidence of right minus wrong held-out answers (measured 0.25 on these 20: the
+# head on the fixed backbone spots dropped arguments, not changed values or tools).
+RIGHT_WRONG_MARGIN = 0.15
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
