@@ -15,8 +15,21 @@ demo's training). The catalogue is the five demo tools plus the 16 distractor to
 
     .venv/bin/python benchmarks/tool_routing.py [--prompts 200]
 
-Recorded run: see the README ("Tool routing and confidence") and the figures below, re-measured on
-the demo of scripts/train_demo.py whose heads are trained (`needle_hf.finetune_heads`).
+Recorded run (100 prompts, the shipped demo of scripts/train_demo.py, whose heads are trained on the
+fixed backbone by `needle_hf.finetune_heads`; one torch thread, 2 shared cores at load average 8):
+
+| k | recall@k |
+|---|---------:|
+| 1 |   100.0% |
+| 2 |   100.0% |
+| 3 |   100.0% |
+
+Exact calls 99.0% with the prompt's own tools, 98.0% with the top 3 of the 21 routed by the head.
+Confidence: mean 0.597, ECE 0.393 (the answers are 99.0% right: the head is under-confident);
+thresholds 0.25 / 0.5 / 0.75 keep 100% / 86% / 0% of the answers (98.8% right at 0.5, the deferred
+ones 100% right). Right answers kept at 0.5: 86.0%; corrupted answers deferred: 39.0% (missing
+argument 91.7% of 36, wrong argument 15.6% of 32, wrong tool 3.1% of 32): on a fixed backbone the
+head sees a dropped argument, not a changed value or tool.
 """
 
 from __future__ import annotations
