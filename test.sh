@@ -17,7 +17,7 @@ echo "=== transformers 5.x (.venv-v5): PyTorch model and tokenizer suites ==="
 # the suite imports it from the source tree.
 PYTHONPATH="$PWD" .venv-v5/bin/python -m pytest tests/test_modeling_torch.py tests/test_torch_decoding.py tests/test_torch_training.py \
     tests/test_pipeline.py tests/test_tokenizer.py tests/test_chat_template.py tests/test_readme.py \
-    tests/test_finetune_data.py tests/test_finetune_torch.py \
+    tests/test_finetune_data.py tests/test_finetune_torch.py tests/test_finetune_heads.py \
     tests/test_grammar.py tests/test_tool_routing.py tests/test_speculative.py tests/test_kv_window.py "$@" || status=1
 
 echo "=== vLLM (.venv-vllm): tests/vllm_serving ==="

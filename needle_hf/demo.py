@@ -36,7 +36,8 @@ DEMO_QUERY = "Wake me up at 7:30 tomorrow."
 DEMO_MODEL_DESCRIPTION = (
     "a 0.9M-parameter Needle 2 (d=128, 4 layers) fine-tuned with transformers' Trainer "
     "(scripts/train_demo.py) on synthetic calls of five phone tools (set_alarm, send_message, play_music, "
-    "set_temperature, get_weather); it answers such requests, nothing else"
+    "set_temperature, get_weather), with its MTP, tool-routing and confidence heads trained; it answers such "
+    "requests, nothing else"
 )
 
 

@@ -5,13 +5,22 @@ Each example offers the right tool alone or beside one other tool (shuffled) and
 whose every argument value is a span of the query (the temperature as an integer). The examples
 are in the Needle fine-tuning JSONL format (`needle_hf.finetune_data`), so the same rows train the
 demo (`scripts/train_demo.py`) and feed the documented workflow (`examples/finetune_tools.py`).
+
+Held-out prompts: ``split="held_out"`` draws only queries that ``split="train"`` never draws (a fixed
+fifth of the query strings, chosen by a hash), so every template and every slot value is seen in
+training but no held-out query is. `DISTRACTOR_TOOLS` are phone tools no query asks for: the
+routing catalogue of the contrastive head (trained on the first `TRAINING_DISTRACTORS`, measured
+on all of them). `corrupt_demo_answers` makes the wrong answers the confidence head learns to
+doubt.
 """
 
 from __future__ import annotations
 
 import json
 import random
+import zlib
 from pathlib import Path
+from typing import Optional
 
 from .demo import DEMO_TOOLS
 
@@ -72,11 +81,22 @@ def _arguments(name: str, rng: random.Random) -> dict:
     return {"city": rng.choice(CITIES)}
 
 
-def make_demo_examples(count: int, *, seed: int) -> list[dict]:
-    """``count`` examples {"tools", "query", "answers"} drawn with ``seed`` (reproducible)."""
+def is_held_out_query(query: str) -> bool:
+    """Whether ``query`` belongs to the held-out split (a fixed fifth of all query strings)."""
+    return zlib.crc32(query.encode("utf-8")) % 5 == 0
+
+
+def make_demo_examples(count: int, *, seed: int, split: Optional[str] = None) -> list[dict]:
+    """``count`` examples {"tools", "query", "answers"} drawn with ``seed`` (reproducible).
+
+    ``split``: None draws from every query; "train" never draws a held-out query
+    (`is_held_out_query`), "held_out" draws only those.
+    """
+    if split not in (None, "train", "held_out"):
+        raise ValueError(f"split: expected None, 'train' or 'held_out', got {split!r}")
     rng = random.Random(seed)
     examples = []
-    for _ in range(count):
+    while len(examples) < count:
         target = rng.randrange(len(DEMO_DATA_TOOLS))
         others = [index for index in range(len(DEMO_DATA_TOOLS)) if index != target]
         offered = [target, *rng.sample(others, rng.randrange(2))]
@@ -84,9 +104,57 @@ def make_demo_examples(count: int, *, seed: int) -> list[dict]:
         name = DEMO_DATA_TOOLS[target]["name"]
         arguments = _arguments(name, rng)
         query = rng.choice(QUERY_TEMPLATES[name]).format(**arguments)
+        if split is not None and is_held_out_query(query) != (split == "held_out"):
+            continue
         examples.append({"tools": [DEMO_DATA_TOOLS[index] for index in offered], "query": query,
                          "answers": [{"name": name, "arguments": arguments}]})
     return examples
+
+
+# Tools no demo query asks for: negatives of the routing catalogue. The training catalogue holds the
+# first TRAINING_DISTRACTORS; the rest are seen only when recall is measured.
+DISTRACTOR_TOOLS = [
+    _tool("set_timer", "Start a countdown timer.", {"minutes": {"type": "integer", "description": "Length in minutes."}}),
+    _tool("call_contact", "Place a phone call to a contact.", {"name": {"type": "string", "description": "Contact to call."}}),
+    _tool("turn_on_lights", "Switch on the lights in a room.", {"room": {"type": "string"}}),
+    _tool("create_reminder", "Create a reminder.", {"text": {"type": "string"}, "date": {"type": "string"}}),
+    _tool("get_news", "Read the latest headlines on a topic.", {"topic": {"type": "string"}}),
+    _tool("book_taxi", "Book a taxi to a destination.", {"destination": {"type": "string"}}),
+    _tool("set_volume", "Set the speaker volume.", {"level": {"type": "integer", "description": "0 to 100."}}),
+    _tool("take_photo", "Take a photo with the camera.", {"camera": {"type": "string", "enum": ["front", "back"]}}),
+    _tool("translate_text", "Translate a text into another language.",
+          {"text": {"type": "string"}, "language": {"type": "string"}}),
+    _tool("search_web", "Search the web.", {"query": {"type": "string"}}),
+    _tool("add_calendar_event", "Add an event to the calendar.", {"title": {"type": "string"}, "date": {"type": "string"}}),
+    _tool("get_directions", "Get driving directions to a place.", {"destination": {"type": "string"}}),
+    _tool("order_food", "Order a dish for delivery.", {"dish": {"type": "string"}}),
+    _tool("check_battery", "Report the battery level.", {}),
+    _tool("open_app", "Open an app on the phone.", {"app": {"type": "string"}}),
+    _tool("pause_music", "Pause the music that is playing.", {}),
+]
+TRAINING_DISTRACTORS = 8
+
+
+def corrupt_demo_answers(example: dict, rng: random.Random) -> list[dict]:
+    """A wrong version of ``example``'s answers: another tool, one argument changed, or one dropped.
+
+    The kind is drawn with ``rng``; the result always differs from the right answers.
+    """
+    (call,) = example["answers"]
+    kind = rng.choice(("wrong tool", "wrong argument", "missing argument"))
+    if kind == "wrong tool":
+        offered = [tool["name"] for tool in example["tools"] if tool["name"] != call["name"]]
+        others = offered or [tool["name"] for tool in DEMO_DATA_TOOLS if tool["name"] != call["name"]]
+        name = rng.choice(others)
+        return [{"name": name, "arguments": _arguments(name, rng)}]
+    arguments = dict(call["arguments"])
+    key = rng.choice(sorted(arguments))
+    if kind == "missing argument":
+        del arguments[key]
+    else:
+        while arguments[key] == call["arguments"][key]:
+            arguments[key] = _arguments(call["name"], rng)[key]
+    return [{"name": call["name"], "arguments": arguments}]
 
 
 def write_demo_jsonl(path, count: int, *, seed: int) -> Path:

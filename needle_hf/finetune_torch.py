@@ -17,6 +17,11 @@ attention output, ``o_proj`` here for the reference's ``out_proj``) in the backb
 the MTP block's. PEFT's ``lora_alpha / r`` scale is the reference's ``alpha / rank``; with
 ``lora_A.weight = A.T`` and ``lora_B.weight = B.T`` a reference adapter computes the same function.
 
+The confidence head can join it too (``confidence_loss_weight``, `needle_hf.finetune_heads`): the
+batch then carries extra rows of wrong answers (labels -100, so the language-model terms skip them)
+and ``confidence_mask`` / ``confidence_labels``, and the head's binary cross-entropy on every row,
+read off the same forward, trains the backbone to tell right answers from wrong ones.
+
 `NeedleTrainer` (a `transformers.Trainer`) and `needle_hf.finetune_trl.NeedleSFTTrainer` (a TRL `SFTTrainer`) compute this
 loss themselves: `SFTTrainer`'s own loss (the last hidden state through `get_output_embeddings()`,
 the bias-less tied `lm_head`, in tiles) would skip the MTP head; `NeedleLossMixin.compute_loss`
@@ -32,6 +37,7 @@ import torch.nn.functional as F
 from transformers import Trainer
 
 from .finetune_data import IGNORE_INDEX
+from .finetune_heads import confidence_loss
 
 #: Module names (PyTorch) of the reference's LoRA targets; ``o_proj`` is its ``out_proj``.
 LORA_TARGET_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "gate_proj", "o_proj")
@@ -98,25 +104,38 @@ class NeedleLossMixin:
 
     Args:
         mtp_loss_weight: weight of the MTP head's t + 2 loss (0 = next-token loss only).
+        confidence_loss_weight: weight of the confidence head's binary cross-entropy (0 = none); the
+            batches must come from `needle_hf.finetune_heads.ConfidenceRowsCollator`.
         Every other argument is the trainer's.
     """
 
-    def __init__(self, *args, mtp_loss_weight: float = 0.0, **trainer_arguments):
+    def __init__(self, *args, mtp_loss_weight: float = 0.0, confidence_loss_weight: float = 0.0,
+                 **trainer_arguments):
         super().__init__(*args, **trainer_arguments)
         self.mtp_loss_weight = float(mtp_loss_weight)
+        self.confidence_loss_weight = float(confidence_loss_weight)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         inputs = dict(inputs)
         labels = inputs.pop("labels")
+        confidence_mask, confidence_labels = inputs.pop("confidence_mask", None), inputs.pop("confidence_labels", None)
         # TRL's collator adds bookkeeping columns the model does not take.
         for name in ("completion_mask", "assistant_masks", "position_ids"):
             inputs.pop(name, None)
         with_mtp = self.mtp_loss_weight > 0
-        outputs = model(**inputs, use_cache=False, return_mtp_logits=with_mtp)
+        with_confidence = self.confidence_loss_weight > 0
+        if with_confidence and confidence_labels is None:
+            raise ValueError("confidence_loss_weight > 0 needs batches with confidence_mask and confidence_labels"
+                             " (needle_hf.finetune_heads.ConfidenceRowsCollator)")
+        outputs = model(**inputs, use_cache=False, return_mtp_logits=with_mtp, output_hidden_states=with_confidence)
         loss = needle_causal_lm_loss(
             outputs.logits, labels, mtp_logits=outputs.mtp_logits if with_mtp else None,
             mtp_loss_weight=self.mtp_loss_weight, num_items_in_batch=num_items_in_batch,
         )
+        if with_confidence:
+            cells = model.cells_from_hidden_states(inputs["input_ids"], outputs.hidden_states)  # [B, T, L + 1, d]
+            logits = model.confidence_head(cells, confidence_mask.bool(), model.model.embed_tokens.weight.dtype)
+            loss = loss + self.confidence_loss_weight * confidence_loss(logits, confidence_labels)
         return (loss, outputs) if return_outputs else loss
 
 

@@ -1629,9 +1629,12 @@ class NeedleForCausalLM(NeedlePreTrainedModel, GenerationMixin):
             output_hidden_states=True,
             return_dict=True,
         )
-        layers = [h.float() for h in outputs.hidden_states[1:]]
-        cells = torch.stack([self.model.embed(input_ids), *layers], dim=2)
-        return cells, attention_mask.bool()
+        return self.cells_from_hidden_states(input_ids, outputs.hidden_states), attention_mask.bool()
+
+    def cells_from_hidden_states(self, input_ids: torch.Tensor, hidden_states: tuple) -> torch.Tensor:
+        """The heads' cells [B, T, L + 1, d] float32 from a forward's ``hidden_states`` (``output_hidden_states=True``):
+        ``x0`` and the lane mean after every layer. Lets a training step read the heads off its own forward."""
+        return torch.stack([self.model.embed(input_ids), *[h.float() for h in hidden_states[1:]]], dim=2)
 
     def contrastive_embedding(
         self, input_ids: torch.LongTensor, attention_mask: Optional[torch.Tensor] = None

@@ -28,8 +28,7 @@ from needle_hf.demo_data import make_demo_examples
 from needle_hf.finetune_data import NeedlePaddingCollator, conversations_dataset, tokenize_conversations
 from needle_hf.finetune_torch import NeedleTrainer, needle_causal_lm_loss, needle_lora_config
 from needle_hf.modeling_needle import NeedleForCausalLM
-from needle_hf.tokenization_needle import PAD_ID, build_fast_tokenizer
-from needle_hf.weight_names import native_to_hf
+from needle_hf.tokenization_needle import PAD_ID
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")  # conftest: torch on one thread
 
@@ -145,28 +144,17 @@ def test_trl_sft_trainer_own_fused_lm_head_loss_is_the_models_loss(tmp_path, fas
     torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-6)
 
 
-def test_shipped_demo_model_answers_held_out_prompts_with_the_exact_calls():
-    import pickle
-    from pathlib import Path
-
+def test_shipped_demo_model_answers_held_out_prompts_with_the_exact_calls(demo_model, demo_tokenizer):
     from needle_hf.demo_data import DEMO_HELD_OUT_SEED
     from needle_hf.tool_calls import ToolCallParseError, parse_tool_calls
-    from needle_hf.weight_names import optional_heads_in_native
 
-    demo = Path(__file__).resolve().parent.parent / "scripts" / "demo"
-    with open(demo / "needle2-demo.pkl", "rb") as handle:
-        checkpoint = pickle.load(handle)
-    config = NeedleConfig.from_needle_config(checkpoint["config"], **optional_heads_in_native(checkpoint["params"]))
-    model = NeedleForCausalLM(config)
-    model.load_state_dict({k: torch.from_numpy(v) for k, v in native_to_hf(checkpoint["params"], config).items()})
-    tokenizer = build_fast_tokenizer(str(demo / "tokenizer.model"))
-    tokenizer.padding_side = "left"
-    examples = make_demo_examples(10, seed=DEMO_HELD_OUT_SEED)
+    model, tokenizer = demo_model, demo_tokenizer  # the Needle tokenizer pads on the left
+    examples = make_demo_examples(10, seed=DEMO_HELD_OUT_SEED, split="held_out")  # queries never trained on
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": e["query"]}], tools=e["tools"],
                                              add_generation_prompt=True, tokenize=False) for e in examples]
     inputs = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
     with torch.no_grad():
-        generated = model.eval().generate(**inputs, max_new_tokens=40, do_sample=False)
+        generated = model.eval().generate(**inputs, max_new_tokens=48, do_sample=False)
     exact = 0
     for example, row in zip(examples, generated[:, inputs["input_ids"].shape[1]:]):
         try:
