@@ -146,8 +146,13 @@ def test_cq_round_trip_equals_the_reference(bits, group, width):
     expected = np.asarray(reference_quantize.cq_quantize(jnp.asarray(x), bits, group))
     torch_value = deploy_numerics.cq_dequantized(torch.from_numpy(x), bits, group).numpy()
     flax_value = np.asarray(deploy_numerics_flax.cq_dequantized(jnp.asarray(x), bits, group))
-    assert max_difference(torch_value, expected) <= 1e-7
     assert max_difference(flax_value, expected) <= 1e-7
+    # A group's norm is stored as float16: torch sums the squares in another order than XLA, and a
+    # norm one float32 ulp from a float16 rounding boundary may round the other way. Such a group then
+    # differs by one float16 step of its norm (relative 2**-11); every other value is equal.
+    differs = np.abs(torch_value - expected) > 1e-7
+    np.testing.assert_allclose(torch_value, expected, rtol=2.0**-10, atol=1e-7)
+    assert differs.sum() <= group, f"{differs.sum()} values differ: more than one group"
 
 
 def test_fake_quant_gradients_are_straight_through():
