@@ -1290,20 +1290,22 @@ class FlaxNeedleForCausalLM(FlaxNeedlePreTrainedModel):
 
     def generate(self, input_ids, generation_config=None, prng_key=None, trace: bool = True, params=None,
                  logits_processor=None, *, use_mtp: Optional[bool] = None, **kwargs):
-        """`FlaxGenerationMixin.generate`; with ``use_mtp=True`` (argument or generation config), greedy
-        decoding with MTP self-speculation (`speculative_flax`): the same tokens, fewer backbone
+        """`FlaxGenerationMixin.generate`; with ``use_mtp=True`` (argument or generation config), decoding
+        with MTP self-speculation (`speculative_flax`): greedy gives the same tokens, sampling
+        (``do_sample=True``, seeded by ``prng_key``) the same distribution, with fewer backbone
         forwards, returned as a `FlaxMTPGenerateOutput` (sequences and draft counts)."""
         if use_mtp is None:
             use_mtp = getattr(generation_config if generation_config is not None else self.generation_config,
                               "use_mtp", None)
         if not use_mtp:
             return super().generate(input_ids, generation_config, prng_key, trace, params, logits_processor, **kwargs)
-        from .speculative_flax import mtp_greedy_generate, resolve_generation
+        from .speculative_flax import mtp_generate, resolve_generation
 
-        max_length, eos, pad, processors, mask = resolve_generation(self, input_ids, generation_config,
-                                                                    logits_processor, kwargs)
-        return mtp_greedy_generate(self, input_ids, mask, max_length=max_length, eos_token_id=eos,
-                                   pad_token_id=pad, logits_processor=processors, params=params, trace=trace)
+        max_length, eos, pad, processors, warpers, mask = resolve_generation(self, input_ids, generation_config,
+                                                                             logits_processor, kwargs)
+        return mtp_generate(self, input_ids, mask, max_length=max_length, eos_token_id=eos, pad_token_id=pad,
+                            logits_processor=processors, logits_warper=warpers, prng_key=prng_key, params=params,
+                            trace=trace)
 
     def _apply_method(self, method, input_ids, attention_mask, params):
         input_ids = jnp.asarray(input_ids, "i4")

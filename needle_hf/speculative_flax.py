@@ -1,10 +1,16 @@
-"""MTP self-speculative greedy decoding for the Flax Needle model (`generate(..., use_mtp=True)`).
+"""MTP self-speculative decoding for the Flax Needle model (`generate(..., use_mtp=True)`).
 
 The scheme of `speculative.py` (the PyTorch twin), as one `lax.while_loop` that traces under
 `jax.jit`: each step feeds the backbone the last token ``x`` and the MTP head's draft ``d``; the
 scores at ``x`` give the next token ``v``; if every unfinished row has ``v == d`` the step also
 keeps the token after ``d`` (two tokens for one forward), otherwise it keeps ``v`` only. Greedy
 output is token for token that of plain Flax greedy `generate`.
+
+Sampling (``do_sample=True``) is speculative sampling, as in the PyTorch twin: ``d`` is drawn from
+the head's distribution q (after the same processors and warpers as plain sampling, which give p);
+row by row it stands with probability min(1, p(d) / q(d)), else ``v`` is drawn from the normalised
+residual max(0, p - q), so ``v`` is distributed as p. The token after ``d`` is kept only when every
+unfinished row kept ``d``. Each step splits the loop's `prng_key`, so a fixed key gives fixed tokens.
 
 Static shapes throughout: every step is a two-token backbone call and a two-token MTP call, so
 the caches have one slot more than ``max_length`` (the last step's draft may sit past it). After a
@@ -22,6 +28,7 @@ import copy
 from typing import Optional
 
 import flax
+import jax
 import jax.numpy as jnp
 from flax.core.frozen_dict import unfreeze
 from jax import lax
@@ -52,6 +59,8 @@ class _StepState(flax.struct.PyTreeNode):
     cache: dict  # the backbone's `cache` collection, max_length + 1 slots
     mtp_cache: LayerKVCache  # the MTP block's keys and values, max_length + 1 slots
     draft: jnp.ndarray  # [B] the head's guess of the token at cur_len
+    draft_probs: jnp.ndarray  # [B, V] the distribution q it was drawn from when sampling, else [B, 0]
+    prng_key: jnp.ndarray
     drafted: jnp.ndarray
     accepted: jnp.ndarray
     forwards: jnp.ndarray
@@ -78,9 +87,9 @@ def _forget_second_token(after: dict, before: dict, kept) -> dict:
 
 
 def resolve_generation(model, input_ids, generation_config, logits_processor, kwargs: dict):
-    """(max_length, eos id or None, pad id, logits processor list, attention_mask or None) of a
-    `generate(use_mtp=True)` call, as `FlaxGenerationMixin.generate` resolves them; refuses what
-    this path would ignore."""
+    """(max_length, eos id or None, pad id, logits processor list, logits warper list or None when
+    greedy, attention_mask or None) of a `generate(use_mtp=True)` call, as
+    `FlaxGenerationMixin.generate` resolves them; refuses what this path would ignore."""
     if not model.config.use_mtp_head:
         raise ValueError("use_mtp=True needs the MTP head (config.use_mtp_head is False)")
     config = copy.deepcopy(generation_config if generation_config is not None else model.generation_config)
@@ -88,8 +97,6 @@ def resolve_generation(model, input_ids, generation_config, logits_processor, kw
     unknown = set(model_kwargs) - {"attention_mask"}
     if unknown:
         raise ValueError(f"use_mtp=True: unsupported generate arguments {sorted(unknown)}")
-    if config.do_sample:
-        raise ValueError("use_mtp=True in Flax decodes greedily: do_sample must be False, got True")
     if config.num_beams not in (1, None):
         raise ValueError(f"use_mtp=True decodes one sequence per prompt: num_beams must be 1, got {config.num_beams}")
     prompt_length = input_ids.shape[1]
@@ -101,12 +108,16 @@ def resolve_generation(model, input_ids, generation_config, logits_processor, kw
         generation_config=config, input_ids_seq_length=prompt_length,
         logits_processor=logits_processor if logits_processor is not None else FlaxLogitsProcessorList(),
     )
-    return max_length, eos, pad, processors, model_kwargs.get("attention_mask")
+    warpers = model._get_logits_warper(generation_config=config) if config.do_sample else None
+    return max_length, eos, pad, processors, warpers, model_kwargs.get("attention_mask")
 
 
-def mtp_greedy_generate(model, input_ids, attention_mask=None, *, max_length: int, eos_token_id: Optional[int],
-                        pad_token_id: int, logits_processor, params=None, trace: bool = True) -> FlaxMTPGenerateOutput:
-    """Greedy decoding with MTP self-speculation; the tokens of plain greedy `generate`.
+def mtp_generate(model, input_ids, attention_mask=None, *, max_length: int, eos_token_id: Optional[int],
+                 pad_token_id: int, logits_processor, logits_warper=None, prng_key=None, params=None,
+                 trace: bool = True) -> FlaxMTPGenerateOutput:
+    """Decoding with MTP self-speculation: greedy (``logits_warper`` None) gives the tokens of plain
+    greedy `generate`; sampling (``logits_warper`` a list, maybe empty) draws tokens distributed as
+    plain `generate(do_sample=True)`'s, seeded by ``prng_key`` (default `jax.random.PRNGKey(0)`).
 
     input_ids, attention_mask: [B, T] (left padded for batches); max_length: prompt plus new tokens.
     """
@@ -137,9 +148,36 @@ def mtp_greedy_generate(model, input_ids, attention_mask=None, *, max_length: in
         return module.apply({"params": params}, hidden, next_ids, positions, mask, kv, pick,
                             method=FlaxNeedleForCausalLMModule.mtp_draft_logits)
 
-    def choose(sequences, logits, cur_len):
-        """Argmax of the processed scores of the token at ``cur_len`` (as plain greedy)."""
-        return jnp.argmax(logits_processor(sequences[:, :max_length], logits, cur_len), axis=-1).astype(jnp.int32)
+    sampling = logits_warper is not None
+
+    def distribution(sequences, logits, cur_len):
+        """Logits [B, V] of the token at ``cur_len`` -> the scores plain `generate` picks it from [B, V]."""
+        scores = logits_processor(sequences[:, :max_length], logits.astype(jnp.float32), cur_len)
+        return logits_warper(scores, scores, cur_len) if sampling else scores
+
+    def choose(sequences, logits, cur_len, key):
+        """-> (the token at ``cur_len`` [B], its distribution [B, V] when sampling, else [B, 0]):
+        argmax of the processed scores, or a draw from the warped ones (as plain `generate`)."""
+        scores = distribution(sequences, logits, cur_len)
+        if not sampling:
+            return jnp.argmax(scores, axis=-1).astype(jnp.int32), jnp.zeros((batch, 0), jnp.float32)
+        return jax.random.categorical(key, scores, axis=-1).astype(jnp.int32), jax.nn.softmax(scores, axis=-1)
+
+    def verify(sequences, logits, cur_len, draft, draft_probs, key):
+        """-> (the token at ``cur_len`` [B], whether each row's draft stands [B])."""
+        if not sampling:
+            token = choose(sequences, logits, cur_len, key)[0]
+            return token, token == draft
+        probs = jax.nn.softmax(distribution(sequences, logits, cur_len), axis=-1)  # p [B, V]
+        key_keep, key_residual = jax.random.split(key)
+        p = jnp.take_along_axis(probs, draft[:, None], axis=1)[:, 0]
+        q = jnp.take_along_axis(draft_probs, draft[:, None], axis=1)[:, 0]  # > 0: the draft was drawn from q
+        kept = jax.random.uniform(key_keep, p.shape) * q < p  # u < p / q, with probability min(1, p / q)
+        residual = jnp.maximum(probs - draft_probs, 0.0)
+        # p == q leaves no residual, and then every draft stands: any distribution will do there.
+        residual = jnp.where(residual.sum(-1, keepdims=True) > 0, residual, probs)
+        resampled = jax.random.categorical(key_residual, jnp.log(residual), axis=-1).astype(jnp.int32)
+        return jnp.where(kept, draft, resampled), kept
 
     def ends(tokens):
         return jnp.zeros_like(tokens, jnp.bool_) if eos is None else tokens == eos
@@ -148,16 +186,18 @@ def mtp_greedy_generate(model, input_ids, attention_mask=None, *, max_length: in
     positions = jnp.clip(jnp.cumsum(prompt_mask, axis=1) - 1, 0)
     (hidden, logits), cache = backbone(model.init_cache(batch, slots), input_ids, positions)
     sequences = jnp.full((batch, slots), pad, jnp.int32).at[:, :prompt_length].set(input_ids)
-    first = choose(sequences, logits[:, -1], prompt_length)
+    key_first, key_draft, prng_key = jax.random.split(jax.random.PRNGKey(0) if prng_key is None else prng_key, 3)
+    first = choose(sequences, logits[:, -1], prompt_length, key_first)[0]
     sequences = sequences.at[:, prompt_length].set(first)
     cfg = model.config
     empty = jnp.zeros((batch, cfg.num_key_value_heads, cfg.head_dim, slots), model.dtype)
     mtp_cache = LayerKVCache(empty, empty.transpose(0, 1, 3, 2), jnp.int32(0))
     next_ids = sequences[:, 1 : prompt_length + 1]
     draft_logits, mtp_cache = mtp(mtp_cache, hidden, next_ids, positions, prompt_length - 1)
+    draft, draft_probs = choose(sequences, draft_logits, prompt_length + 1, key_draft)
     state = _StepState(
         cur_len=jnp.int32(prompt_length + 1), sequences=sequences, finished=ends(first), cache=cache,
-        mtp_cache=mtp_cache, draft=choose(sequences, draft_logits, prompt_length + 1),
+        mtp_cache=mtp_cache, draft=draft, draft_probs=draft_probs, prng_key=prng_key,
         drafted=jnp.int32(0), accepted=jnp.int32(0), forwards=jnp.int32(0),
     )
 
@@ -169,12 +209,15 @@ def mtp_greedy_generate(model, input_ids, attention_mask=None, *, max_length: in
         last = lax.dynamic_slice(state.sequences, (0, at), (batch, 1))[:, 0]
         positions = at + jnp.arange(2)[None, :] - padding[:, None]  # [B, 2]
         (hidden, logits), cache = backbone(state.cache, jnp.stack([last, state.draft], axis=1), positions)
-        verified = jnp.where(state.finished, pad, choose(state.sequences, logits[:, 0], state.cur_len))
+        key_verify, key_after, key_draft, prng_key = jax.random.split(state.prng_key, 4)
+        verified, stands = verify(state.sequences, logits[:, 0], state.cur_len, state.draft, state.draft_probs,
+                                  key_verify)
+        verified = jnp.where(state.finished, pad, verified)
         room = state.cur_len + 1 < max_length  # for the token after the draft
-        kept = room & jnp.all((verified == state.draft) | state.finished)
+        kept = room & jnp.all(stands | state.finished)
         finished = state.finished | ends(verified)
         sequences = lax.dynamic_update_slice(state.sequences, verified[:, None], (0, state.cur_len))
-        after = jnp.where(finished, pad, choose(sequences, logits[:, 1], state.cur_len + 1))
+        after = jnp.where(finished, pad, choose(sequences, logits[:, 1], state.cur_len + 1, key_after)[0])
         after = jnp.where(kept, after, pad)  # a pad slot the next step overwrites
         sequences = lax.dynamic_update_slice(sequences, after[:, None], (0, state.cur_len + 1))
         finished = finished | (kept & ends(after))
@@ -185,9 +228,10 @@ def mtp_greedy_generate(model, input_ids, attention_mask=None, *, max_length: in
         draft_logits, mtp_cache = mtp(state.mtp_cache._replace(write_index=at), hidden, next_ids, positions,
                                       kept.astype(jnp.int32))
         cur_len = state.cur_len + jnp.where(kept, 2, 1)
-        draft = choose(sequences, draft_logits, cur_len)
+        draft, draft_probs = choose(sequences, draft_logits, cur_len, key_draft)
         return _StepState(cur_len=cur_len, sequences=sequences, finished=finished, cache=cache, mtp_cache=mtp_cache,
-                          draft=draft, drafted=state.drafted + room.astype(jnp.int32),
+                          draft=draft, draft_probs=draft_probs, prng_key=prng_key,
+                          drafted=state.drafted + room.astype(jnp.int32),
                           accepted=state.accepted + kept.astype(jnp.int32), forwards=state.forwards + 1)
 
     state = lax.while_loop(unfinished, step, state) if trace else model._run_loop_in_debug(unfinished, step, state)
@@ -195,4 +239,4 @@ def mtp_greedy_generate(model, input_ids, attention_mask=None, *, max_length: in
                                  accepted=state.accepted, forwards=state.forwards)
 
 
-__all__ = ["FlaxMTPGenerateOutput", "mtp_greedy_generate", "resolve_generation"]
+__all__ = ["FlaxMTPGenerateOutput", "mtp_generate", "resolve_generation"]

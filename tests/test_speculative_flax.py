@@ -1,4 +1,5 @@
-"""Flax `generate(use_mtp=True)`: MTP self-speculation writes exactly the plain greedy tokens.
+"""Flax `generate(use_mtp=True)`: MTP self-speculation writes exactly the plain greedy tokens, and
+samples with the plain sampling distribution.
 
 The models come from the PyTorch tests' builders (`test_speculative`), saved and read back by the
 Flax model: a random MTP head (every draft rejected), the copying head (every draft kept on the
@@ -13,7 +14,8 @@ import numpy as np
 import pytest
 import torch
 from test_pipeline import demo_folder  # noqa: F401  (fixture: the demo as a HF folder)
-from test_speculative import GREEDY, PROMPT, _copying_mtp, _demo_inputs, _left_padded_batch, _model
+from test_speculative import (GREEDY, PROMPT, SAMPLING, _copying_mtp, _demo_inputs, _joint_counts, _left_padded_batch,
+                              _model)
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from needle_hf.modeling_flax_needle import FlaxNeedleForCausalLM
@@ -66,7 +68,31 @@ def test_flax_mtp_speculation_after_rejections_and_acceptances_on_the_demo(demo_
     assert 0 < int(out.accepted) < int(out.drafted)
 
 
-def test_flax_mtp_speculation_refuses_sampling(tiny_models):
-    ids = np.asarray(_left_padded_batch()[0][:1], np.int32)
-    with pytest.raises(ValueError, match="do_sample must be False"):
-        tiny_models[True].generate(ids, use_mtp=True, do_sample=True, max_new_tokens=4)
+def test_flax_mtp_sampling_keeps_the_sampling_distribution_and_is_seeded(tiny_models):
+    # One 3-token prompt, 4 new tokens: the first from the prompt's forward, then drafts of the copying
+    # head, each kept with probability min(1, p/q) (at batch 1 the token after it then comes from the
+    # same forward) or rejected (the token drawn from the residual). Decoded as 2000 batch-1 calls
+    # (vmapped: every row keeps its own drafts) and as one batch of 2000 (a step keeps two tokens only
+    # if every row kept its draft), the joint distribution of the 4 tokens must be that of plain Flax
+    # sampling. (Drawing rejections from p instead of the residual fails this with a p-value of 1e-99.)
+    from scipy.stats import chi2_contingency
+
+    model = tiny_models[True]
+    ids = np.repeat(np.asarray(_left_padded_batch()[0][:1, -3:], np.int32), 2000, axis=0)
+    options = dict(max_new_tokens=4, **SAMPLING)
+    plain = jax.jit(lambda x, key: model.generate(x, prng_key=key, **options).sequences)
+    batched = jax.jit(lambda x, key: model.generate(x, prng_key=key, use_mtp=True, **options).sequences)
+    one_row = jax.jit(jax.vmap(lambda x, key: model.generate(x[None], prng_key=key, use_mtp=True, **options)))
+    keys = jax.random.split(jax.random.PRNGKey(1), len(ids))
+    rows = one_row(ids, keys)
+    samples = [plain(ids, jax.random.PRNGKey(0)), batched(ids, jax.random.PRNGKey(1)), rows.sequences[:, 0]]
+    table = _joint_counts(*(torch.tensor(np.asarray(sample)[:, 3:]) for sample in samples))
+    assert table.shape[1] > 20  # the test sees a spread distribution, not a few tokens
+    assert chi2_contingency(table).pvalue > 1e-3
+    drafts, accepted = int(rows.drafted.sum()), int(rows.accepted.sum())
+    assert 0.1 * drafts < accepted < 0.9 * drafts  # both paths ran, in many rows
+    # A fixed key gives the same tokens again, another key others.
+    again = np.asarray(one_row(ids, keys).sequences)
+    np.testing.assert_array_equal(again, np.asarray(rows.sequences))
+    np.testing.assert_array_equal(np.asarray(batched(ids, jax.random.PRNGKey(1))), np.asarray(samples[1]))
+    assert (np.asarray(batched(ids, jax.random.PRNGKey(2))) != np.asarray(samples[1])).any()
