@@ -10,7 +10,7 @@ bash scripts/setup.sh || exit 1
 
 status=0
 echo "=== transformers 4.57 (.venv): whole suite ==="
-.venv/bin/python -m pytest tests "$@" || status=1
+.venv/bin/python -m pytest tests --durations=25 "$@" || status=1
 
 echo "=== transformers 5.x (.venv-v5): PyTorch model and tokenizer suites ==="
 # needle-hf is not installed in .venv-v5 (the remote-code tests need an environment without it);
