@@ -139,9 +139,15 @@ def test_pipeline_answers_with_the_processor_on_the_demo(demo_folder):  # noqa: 
     tools = [TOOLS[0]["function"] | {"name": "set_alarm"}]
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Set an alarm for 6."}], tools=tools,
                                            add_generation_prompt=True, tokenize=False)
-    record = generator(prompt, max_new_tokens=48, do_sample=False, return_full_text=False,
-                       logits_processor=LogitsProcessorList([ToolCallGrammar(tokenizer).logits_processor(tools)]))
-    _assert_valid_answer(record[0]["generated_text"], tools)
+    kwargs = dict(max_new_tokens=48, do_sample=False, return_full_text=False,
+                  logits_processor=LogitsProcessorList([ToolCallGrammar(tokenizer).logits_processor(tools)]))
+    # Every token as written, to see the turn closed: "<|im_end|>" then EOS.
+    written = generator(prompt, skip_special_tokens=False, **kwargs)[0]["generated_text"]
+    assert written.endswith(tokenizer.eos_token), written
+    _assert_valid_answer(written.removesuffix(tokenizer.eos_token), tools)
+    # The answer as the pipeline gives it ends with the turn, without the marker.
+    answer = generator(prompt, **kwargs)[0]["generated_text"]
+    assert answer == written.removesuffix("<|im_end|>" + tokenizer.eos_token)
 
 
 @pytest.mark.skipif(not hasattr(transformers, "FlaxPreTrainedModel"), reason="transformers 5 has no Flax")
