@@ -18,7 +18,7 @@ import importlib.util
 from transformers import AutoConfig
 
 from .configuration_needle import NeedleConfig
-from .tokenization_needle import register_transformers5_tokenizer_name
+from .tokenization_needle import register_tokenizer_class
 
 __version__ = "0.1.0"
 
@@ -125,7 +125,7 @@ def _register(auto_class, name: str) -> None:
 
 def _register_auto_classes():
     AutoConfig.register(NeedleConfig.model_type, NeedleConfig, exist_ok=True)
-    register_transformers5_tokenizer_name()
+    register_tokenizer_class()
     if "NeedleForCausalLM" in _MODEL_CLASSES:
         from transformers import AutoModel, AutoModelForCausalLM
 

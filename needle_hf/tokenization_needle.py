@@ -3,8 +3,10 @@
 Needle uses a SentencePiece BPE model: pad 0, eos 1, bos 2, unk 3, the ten chat markers as
 user-defined symbols (ids 4-13), byte fallback, identity normalisation, extra whitespace kept and
 a dummy-prefix space. This module rebuilds it as a `tokenizers.Tokenizer` that gives the same ids
-as `sentencepiece` and wraps it in a plain `transformers.PreTrainedTokenizerFast`, so a saved
-folder loads with `AutoTokenizer` without this package installed.
+as `sentencepiece` and wraps it in `NeedleTokenizerFast` (a `transformers.PreTrainedTokenizerFast`
+that hides the turn markers when decoding with `skip_special_tokens=True`; see
+`tokenization_needle_fast`). A saved folder ships that class's code, so it loads with `AutoTokenizer`
+with this package installed, or with `trust_remote_code=True` without it.
 
 The source is either a SentencePiece `.model` file or the piece table stored in a reference
 `.cact` export (pieces, scores and piece types). Both go through one `PieceTable`.
@@ -16,7 +18,8 @@ How SentencePiece's behaviour maps onto the `tokenizers` pipeline:
     prefix lands in front of the whole text even when it starts with a marker ("▁" then
     "<|im_start|>"), as SentencePiece's user-defined symbols do. They are not flagged special:
     like user-defined symbols they are text, so `decode(..., skip_special_tokens=True)` keeps
-    them (the tool-call parser needs them). One difference remains: a text that is exactly one
+    them (the tool-call parser needs them), except the turn markers `<|im_start|>` and
+    `<|im_end|>`, which `NeedleTokenizerFast` drops by id. One difference remains: a text that is exactly one
     marker and nothing else encodes as that marker alone, without SentencePiece's leading "▁"
     (see `NeedleTokenizerConverter.normalizer`).
   - pad/eos/bos/unk are the special tokens. As in every transformers SentencePiece tokenizer,
@@ -54,7 +57,7 @@ SPACE_SYMBOL = "\u2581"  # "▁", SentencePiece's escaped space
 # " <marker>") can never be spelled by message text.
 MARKER_MATCH_PREFIX = " "
 NUM_BYTE_PIECES = 256
-_PORTABLE_TOKENIZER_CLASS = "PreTrainedTokenizerFast"
+_TOKENIZER_CLASS = "NeedleTokenizerFast"
 
 
 class PieceType(enum.IntEnum):
@@ -364,7 +367,7 @@ def _check_prompt_target_boundary(table):
 
 
 def build_fast_tokenizer(source, *, model_max_length=None, chat_template=NEEDLE_CHAT_TEMPLATE):
-    """Build the Needle tokenizer as a plain `transformers.PreTrainedTokenizerFast`.
+    """Build the Needle tokenizer as a `NeedleTokenizerFast` (a `transformers.PreTrainedTokenizerFast`).
 
     Args:
         source: a SentencePiece `.model` path, a `PieceTable`, or a parsed `.cact` piece-table
@@ -374,17 +377,18 @@ def build_fast_tokenizer(source, *, model_max_length=None, chat_template=NEEDLE_
             with it, a vocabulary on which the template cannot match the reference is refused).
 
     Returns:
-        A `PreTrainedTokenizerFast` that encodes like SentencePiece with BOS prepended, with the
+        A `NeedleTokenizerFast` that encodes like SentencePiece with BOS prepended, with the
         pad/eos/bos/unk tokens set and the chat template attached. `save_pretrained` writes a
-        folder that `AutoTokenizer.from_pretrained` reloads without needle_hf.
+        folder that `AutoTokenizer.from_pretrained` reloads (with needle_hf imported, or with
+        `trust_remote_code=True`).
     """
-    from transformers import PreTrainedTokenizerFast
+    from .tokenization_needle_fast import NeedleTokenizerFast
 
     table = _as_piece_table(source)
     if chat_template == NEEDLE_CHAT_TEMPLATE:
         _check_prompt_target_boundary(table)
     extra = {} if model_max_length is None else {"model_max_length": int(model_max_length)}
-    return PreTrainedTokenizerFast(
+    return NeedleTokenizerFast(
         tokenizer_object=NeedleTokenizerConverter(table).converted(),
         bos_token=table.pieces[table.bos_id],
         eos_token=table.pieces[table.eos_id],
@@ -401,20 +405,30 @@ def build_fast_tokenizer(source, *, model_max_length=None, chat_template=NEEDLE_
 
 
 def save_fast_tokenizer(tokenizer, save_directory):
-    """`save_pretrained` the tokenizer so transformers 4.x and 5.x can both reload it.
+    """`save_pretrained` the tokenizer so transformers 4.x and 5.x both reload it as `NeedleTokenizerFast`.
 
-    transformers 5 records its own backend class name ("TokenizersBackend"), which 4.x does not
-    know; the plain "PreTrainedTokenizerFast" loads under both (5.x maps it to its backend).
+    `save_pretrained` names the class in tokenizer_config.json (`tokenizer_class`, `auto_map`) and
+    copies its code beside (see `tokenization_needle_fast`); the name is checked here so that a
+    transformers release that spells it differently still writes the one both versions look up.
+
+    Args:
+        tokenizer: a `NeedleTokenizerFast`, as `build_fast_tokenizer` returns it.
+        save_directory: the folder to write.
 
     Returns:
         The paths of the written files, as `save_pretrained` returns them.
     """
+    from .tokenization_needle_fast import NeedleTokenizerFast
+
+    if not isinstance(tokenizer, NeedleTokenizerFast):
+        raise TypeError(f"save_fast_tokenizer: expected a NeedleTokenizerFast (build_fast_tokenizer builds one), "
+                        f"got {type(tokenizer).__name__}")
     written = tokenizer.save_pretrained(save_directory)
     config_path = os.path.join(save_directory, "tokenizer_config.json")
     with open(config_path, encoding="utf-8") as handle:
         config = json.load(handle)
-    if config.get("tokenizer_class") != _PORTABLE_TOKENIZER_CLASS:
-        config["tokenizer_class"] = _PORTABLE_TOKENIZER_CLASS
+    if config.get("tokenizer_class") != _TOKENIZER_CLASS:
+        config["tokenizer_class"] = _TOKENIZER_CLASS
         with open(config_path, "w", encoding="utf-8") as handle:
             json.dump(config, handle, indent=2, ensure_ascii=False)
             handle.write("\n")
@@ -464,20 +478,15 @@ def check_vocab_matches(tokenizer, vocab_size, *, source="the model config"):
             "the tokenizer and the weights must come from the same Needle checkpoint")
 
 
-def register_transformers5_tokenizer_name():
-    """Let transformers 4.x load a Needle tokenizer that transformers 5.x saved.
+def register_tokenizer_class():
+    """Let `AutoTokenizer` load Needle folders as `NeedleTokenizerFast` (transformers 4.57 and 5.x).
 
-    transformers 5 writes `"tokenizer_class": "TokenizersBackend"` (its name for the fast
-    tokenizer) into tokenizer_config.json; 4.x has no class of that name. Under 4.x, importing
-    needle_hf registers a `PreTrainedTokenizerFast` of that name for Needle configs, so such a
-    folder loads unchanged. Under 5.x there is nothing to do.
+    Saved folders name the class in tokenizer_config.json; transformers finds a class of that name
+    among the registered ones, so importing needle_hf is enough (no `trust_remote_code`).
     """
-    import transformers
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    from transformers import AutoTokenizer
 
-    if int(transformers.__version__.split(".")[0]) >= 5:
-        return
     from .configuration_needle import NeedleConfig
+    from .tokenization_needle_fast import NeedleTokenizerFast
 
-    backend = type("TokenizersBackend", (PreTrainedTokenizerFast,), {"__doc__": "transformers 5's name for a fast tokenizer."})
-    AutoTokenizer.register(NeedleConfig, fast_tokenizer_class=backend, exist_ok=True)
+    AutoTokenizer.register(NeedleConfig, fast_tokenizer_class=NeedleTokenizerFast, exist_ok=True)

@@ -5,8 +5,9 @@ Needle answers with an optional reasoning block and one JSON list of calls:
     <think>\\n{reasoning}\\n</think>\\n<tool_call>[{"name": ..., "arguments": {...}}, ...]</tool_call><|im_end|>
 
 The empty list means "no tool applies". Decode the generated ids with the markers kept
-(`tokenizer.decode(ids, skip_special_tokens=True)` keeps them: they are not special tokens)
-and pass the text here. Anything after `<|im_end|>` belongs to no turn and is ignored.
+(`tokenizer.decode(ids, skip_special_tokens=True)` keeps `<think>` and `<tool_call>`, which are
+not special tokens, and drops only the turn markers and EOS) and pass the text here; a pipeline's
+chat answer is such a text. Anything after `<|im_end|>` belongs to no turn and is ignored.
 """
 
 import dataclasses

@@ -64,6 +64,13 @@ def _prompt(tokenizer, tools, query="Wake me at 7 in eco mode."):
     return tokenizer(text, return_tensors="pt", add_special_tokens=False)
 
 
+def _turn_text(tokenizer, ids):
+    """The generated turn as written, markers included: the ids before the first EOS."""
+    ids = list(ids)
+    ids = ids[: ids.index(tokenizer.eos_token_id)] if tokenizer.eos_token_id in ids else ids
+    return tokenizer.decode(ids, skip_special_tokens=False)
+
+
 def _assert_valid_answer(text, tools):
     schemas = {schema["name"]: schema["parameters"] for schema in map(tool_schema, tools)}
     assert text.endswith("<|im_end|>"), text
@@ -96,7 +103,7 @@ def test_sampled_answers_of_a_random_model_always_parse_and_validate(random_mode
         assert tokenizer.eos_token_id in ids, "the grammar must end the answer well within 160 tokens"
         ids = ids[: ids.index(tokenizer.eos_token_id)]
         assert ids[-1] == tokenizer.convert_tokens_to_ids("<|im_end|>")
-        _assert_valid_answer(tokenizer.decode(ids, skip_special_tokens=True), TOOLS)
+        _assert_valid_answer(_turn_text(tokenizer, ids), TOOLS)
 
 
 def test_greedy_answers_of_a_left_padded_batch_validate(random_model, tokenizer, grammar):
@@ -108,7 +115,7 @@ def test_greedy_answers_of_a_left_padded_batch_validate(random_model, tokenizer,
                                 logits_processor=LogitsProcessorList([grammar.logits_processor(TOOLS)]),
                                 eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     for row in out[:, inputs["input_ids"].shape[1]:]:
-        _assert_valid_answer(tokenizer.decode(row.tolist(), skip_special_tokens=True), TOOLS)
+        _assert_valid_answer(_turn_text(tokenizer, row.tolist()), TOOLS)
 
 
 def test_markers_are_asked_for_by_id_not_spelled_out(tokenizer, grammar):
@@ -132,9 +139,15 @@ def test_pipeline_answers_with_the_processor_on_the_demo(demo_folder):  # noqa: 
     tools = [TOOLS[0]["function"] | {"name": "set_alarm"}]
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Set an alarm for 6."}], tools=tools,
                                            add_generation_prompt=True, tokenize=False)
-    record = generator(prompt, max_new_tokens=48, do_sample=False, return_full_text=False,
-                       logits_processor=LogitsProcessorList([ToolCallGrammar(tokenizer).logits_processor(tools)]))
-    _assert_valid_answer(record[0]["generated_text"], tools)
+    kwargs = dict(max_new_tokens=48, do_sample=False, return_full_text=False,
+                  logits_processor=LogitsProcessorList([ToolCallGrammar(tokenizer).logits_processor(tools)]))
+    # Every token as written, to see the turn closed: "<|im_end|>" then EOS.
+    written = generator(prompt, skip_special_tokens=False, **kwargs)[0]["generated_text"]
+    assert written.endswith(tokenizer.eos_token), written
+    _assert_valid_answer(written.removesuffix(tokenizer.eos_token), tools)
+    # The answer as the pipeline gives it ends with the turn, without the marker.
+    answer = generator(prompt, **kwargs)[0]["generated_text"]
+    assert answer == written.removesuffix("<|im_end|>" + tokenizer.eos_token)
 
 
 @pytest.mark.skipif(not hasattr(transformers, "FlaxPreTrainedModel"), reason="transformers 5 has no Flax")
@@ -153,4 +166,4 @@ def test_flax_generate_with_the_processor_names_only_offered_tools(demo_folder):
     processor = FlaxToolCallLogitsProcessor(ToolCallGrammar(tokenizer), tools)
     out = model.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=False, trace=False,
                          logits_processor=FlaxLogitsProcessorList([processor]))
-    _assert_valid_answer(tokenizer.decode(np.asarray(out.sequences)[0, ids.shape[1]:], skip_special_tokens=True), tools)
+    _assert_valid_answer(_turn_text(tokenizer, np.asarray(out.sequences)[0, ids.shape[1]:].tolist()), tools)

@@ -123,6 +123,29 @@ def test_chat_with_tools_returns_a_parseable_call_to_the_right_tool(generator):
         assert [call["name"] for call in calls] == [expected_tool], f"{query!r} -> {answer!r}"
 
 
+def test_chat_answer_ends_at_the_end_of_the_turn_without_the_marker(generator):
+    tools, query, expected_tool = TOOL_QUERIES[0]
+    tokenizer, model = generator.tokenizer, generator.model
+    messages = [{"role": "user", "content": query}]
+    # What the model writes, token by token: the turn, then <|im_end|> and EOS, where generation stops.
+    prompt = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+                                           return_tensors="pt", return_dict=True)
+    new_ids = model.generate(**prompt, max_new_tokens=MAX_NEW_TOKENS, do_sample=False)[0, prompt["input_ids"].shape[1]:]
+    im_end_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert new_ids.tolist()[-2:] == [im_end_id, tokenizer.eos_token_id]
+    turn = tokenizer.decode(new_ids[:-2], skip_special_tokens=False)  # every id as written, but the end
+    assert "<|im_end|>" not in turn and turn.startswith("<tool_call>") and turn.endswith("</tool_call>")
+    # The README's decode gives the same text.
+    assert tokenizer.decode(new_ids, skip_special_tokens=True) == turn
+
+    answer = _answer_of(generator(messages, max_new_tokens=MAX_NEW_TOKENS, do_sample=False, **_tools_kwargs(tools))[0])
+    assert "<|im_end|>" not in answer
+    # transformers 5 decodes the new ids alone, so the decoder drops the target's leading dummy-prefix
+    # space as above; 4.57 cuts the decoded prompt's text off the decoded whole, which keeps it.
+    assert answer == (turn if MAJOR_VERSION >= 5 else " " + turn)
+    assert [call["name"] for call in parse_tool_calls(answer)] == [expected_tool]
+
+
 def test_batched_chats_give_the_answers_of_one_by_one(generator):
     # Two tools per prompt, as the demo was trained (one or two offered); prompts of different lengths.
     for tools, cases in (([SET_ALARM, SEND_MESSAGE], TOOL_QUERIES[:2]), ([SET_TEMPERATURE, PLAY_MUSIC], TOOL_QUERIES[2:])):

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from transformers import AutoTokenizer
 from transformers.dynamic_module_utils import get_imports, get_relative_imports
 
 from hub_support import (
@@ -35,6 +36,7 @@ from needle_hf.hub import push_folder
 from needle_hf.modeling_needle import NeedleForCausalLM, NeedleModel
 from needle_hf import remote_code
 from needle_hf.remote_code import AUTO_MAP, remote_code_files, write_remote_code
+from needle_hf.tokenization_needle_fast import NeedleTokenizerFast
 
 LOGIT_TOLERANCE = 1e-5
 TEXT = "Set an alarm for seven thirty tomorrow morning."
@@ -59,6 +61,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from transformers import AutoTokenizer
 import transformers
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer, pipeline
 
@@ -70,9 +73,10 @@ for label, source in arguments["sources"].items():
     entry = result["sources"][label] = {}
     config = AutoConfig.from_pretrained(source, trust_remote_code=True)
     entry["config_class"] = f"{type(config).__module__}.{type(config).__name__}"
-    # The tokenizer is a built-in class; transformers 5 still reads config.json (and its auto_map) first.
+    # The tokenizer's class is shipped too (tokenizer_config.json's auto_map names it).
     tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=True)
     entry["tokenizer_class"] = type(tokenizer).__name__
+    entry["tokenizer_module"] = type(tokenizer).__module__
     ids = tokenizer(arguments["text"])["input_ids"]
     entry["input_ids"] = ids
 
@@ -207,10 +211,9 @@ def run_for(remote_runs, environment: str) -> RemoteRun:
 @pytest.fixture(scope="module")
 def package_outputs(remote_folder):
     """The package's own classes on the same folder: token ids, logits, hidden states, greedy reply."""
-    from transformers import PreTrainedTokenizerFast
-
     folder, _ = remote_folder
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    assert type(tokenizer) is NeedleTokenizerFast
     ids = tokenizer(TEXT)["input_ids"]
     model = NeedleForCausalLM.from_pretrained(folder)
     with torch.no_grad():
@@ -327,7 +330,8 @@ def test_remote_config_and_tokenizer_load_and_encode_like_the_package(
 
     assert loaded["config_class"].startswith("transformers_modules.")
     assert loaded["config_class"].endswith(".configuration_needle.NeedleConfig")
-    assert loaded["tokenizer_class"] in ("PreTrainedTokenizerFast", "TokenizersBackend")
+    assert loaded["tokenizer_class"] == "NeedleTokenizerFast"
+    assert loaded["tokenizer_module"].startswith("transformers_modules.")
     assert loaded["input_ids"] == package_outputs["ids"]
 
 

@@ -169,10 +169,16 @@ def test_text_that_is_exactly_one_marker_encodes_as_the_marker_alone(sentencepie
         assert reference_ids(sentencepiece_model, marker) == [BOS_ID, space_id, marker_id]
 
 
+def _without_bos(ids):
+    assert ids[0] == BOS_ID
+    return ids[1:]
+
+
 @pytest.mark.parametrize("name", sorted(VARIED_TEXTS))
 def test_decode_inverts_encode_like_sentencepiece(name, sentencepiece_model, fast_tokenizer):
     text = VARIED_TEXTS[name]
-    decoded = fast_tokenizer.decode(fast_tokenizer(text)["input_ids"], skip_special_tokens=True)
+    # Every id as written (skip_special_tokens=True also hides the turn markers, tested below).
+    decoded = fast_tokenizer.decode(_without_bos(fast_tokenizer(text)["input_ids"]))
     expected = sentencepiece_model.decode(sentencepiece_model.encode(text))
     assert decoded == expected
     if name != "meta_space_literal":  # a literal "▁" decodes to a space in SentencePiece too
@@ -181,7 +187,7 @@ def test_decode_inverts_encode_like_sentencepiece(name, sentencepiece_model, fas
 
 def test_random_texts_decode_like_sentencepiece(sentencepiece_model, fast_tokenizer):
     texts = random_texts(500, seed=1)
-    decoded = fast_tokenizer.batch_decode(fast_tokenizer(texts)["input_ids"], skip_special_tokens=True)
+    decoded = fast_tokenizer.batch_decode([_without_bos(ids) for ids in fast_tokenizer(texts)["input_ids"]])
     assert decoded == [sentencepiece_model.decode(sentencepiece_model.encode(text)) for text in texts]
 
 
@@ -190,9 +196,17 @@ def test_markers_are_added_tokens_that_decode_as_text(fast_tokenizer):
     added = fast_tokenizer.added_tokens_decoder
     assert all(added[marker_id].content == marker and not added[marker_id].special
                for marker_id, marker in enumerate(FIXTURE_CHAT_MARKERS, start=4))
-    answer = "<think>\nx\n</think>\n<tool_call>[]</tool_call><|im_end|>"
-    ids = fast_tokenizer(answer)["input_ids"] + [EOS_ID]
+    answer = "<think>\nx\n</think>\n<tool_call>[]</tool_call>"
+    ids = fast_tokenizer(answer + "<|im_end|>")["input_ids"] + [EOS_ID]
+    # The answer's markers are text; the turn markers delimit turns and skip_special_tokens hides them.
     assert fast_tokenizer.decode(ids, skip_special_tokens=True) == answer
+    assert fast_tokenizer.decode(ids[1:-1]) == answer + "<|im_end|>"
+    chat = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    chat_ids = fast_tokenizer(chat)["input_ids"]
+    assert fast_tokenizer.decode(chat_ids, skip_special_tokens=True) == "user\nhi\nassistant\n"
+    assert fast_tokenizer.decode(chat_ids[1:]) == chat
+    assert fast_tokenizer.batch_decode([chat_ids, ids], skip_special_tokens=True) == ["user\nhi\nassistant\n", answer]
+    assert fast_tokenizer.decode(5, skip_special_tokens=True) == ""
 
 
 def test_special_tokens_are_pad_eos_bos_unk(fast_tokenizer):
@@ -237,7 +251,9 @@ def test_reference_cact_tokenizer_blob_rebuilds_the_same_tokenizer(needle_spm_mo
 
 
 def test_saved_folder_reloads_with_auto_tokenizer(tmp_path, sentencepiece_model, fast_tokenizer):
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    from transformers import AutoTokenizer
+
+    from needle_hf.tokenization_needle_fast import NeedleTokenizerFast
 
     save_fast_tokenizer(fast_tokenizer, tmp_path)
     expected_files = ["tokenizer.json", "tokenizer_config.json"]
@@ -246,18 +262,19 @@ def test_saved_folder_reloads_with_auto_tokenizer(tmp_path, sentencepiece_model,
     for name in expected_files:
         assert (tmp_path / name).is_file(), name
     config = json.loads((tmp_path / "tokenizer_config.json").read_text())
-    # A plain transformers class and no auto_map: loading needs no code from needle_hf.
-    assert config["tokenizer_class"] == "PreTrainedTokenizerFast"
-    assert "auto_map" not in config
+    # The class by name (registered by needle_hf) and as remote code shipped beside (trust_remote_code).
+    assert config["tokenizer_class"] == "NeedleTokenizerFast"
+    assert config["auto_map"] == {"AutoTokenizer": [None, "tokenization_needle_fast.NeedleTokenizerFast"]}
+    assert (tmp_path / "tokenization_needle_fast.py").is_file() and (tmp_path / "chat_template.py").is_file()
     assert config["model_max_length"] == 2048
 
     reloaded = AutoTokenizer.from_pretrained(tmp_path)
-    assert type(reloaded) is PreTrainedTokenizerFast
+    assert type(reloaded) is NeedleTokenizerFast
     texts = list(VARIED_TEXTS.values())
     assert reloaded(texts)["input_ids"] == [reference_ids(sentencepiece_model, text) for text in texts]
     assert reloaded.chat_template == fast_tokenizer.chat_template
     assert (reloaded.bos_token_id, reloaded.eos_token_id, reloaded.pad_token_id) == (BOS_ID, EOS_ID, PAD_ID)
-    assert reloaded.decode(reloaded("a  b\n<think>")["input_ids"], skip_special_tokens=True) == "a  b\n<think>"
+    assert reloaded.decode(reloaded("a  b\n<think><|im_end|>")["input_ids"], skip_special_tokens=True) == "a  b\n<think>"
 
 
 def test_check_vocab_matches_names_both_sizes(fast_tokenizer):
