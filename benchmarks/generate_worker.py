@@ -3,7 +3,7 @@
     python benchmarks/generate_worker.py IMPL BATCH CHECKPOINT_DIR PROMPT_TOKENS NEW_TOKENS
 IMPL: flax (our jit-compiled generate()), torch (our PyTorch generate(), default settings),
 torch-static-compiled (`generate(cache_implementation="static", compile_config=...)`: a StaticCache
-and compiled decoder layers in every decoding step),
+and compiled decoder layers and engram memory in every decoding step),
 reference (cactus-needle's cached decoding, decode.py's forward_cached loop as in its
 generate_cached). Prints one JSON line.
 IMPL prepare (other arguments ignored) writes the `base`-preset checkpoint into CHECKPOINT_DIR, as an
@@ -72,7 +72,7 @@ def measure_torch(folder, batch, prompt_len, new_tokens):
 
 def measure_torch_static_compiled(folder, batch, prompt_len, new_tokens):
     """The documented fast path: `generate(cache_implementation="static", compile_config=...)`, whose
-    decoding steps run each decoder layer compiled (`NeedleForCausalLM.get_compiled_call`; the prefill
+    decoding steps run each decoder layer and the engram memory compiled (`NeedleForCausalLM.get_compiled_call`; the prefill
     stays eager). Threads as `generate()` picks them, like the torch row."""
     import torch
     from transformers import CompileConfig

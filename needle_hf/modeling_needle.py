@@ -47,7 +47,7 @@ import math
 import os
 import warnings
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -910,8 +910,22 @@ def _layer_caches(cache: Optional[Cache], count: int) -> list:
     return [cache] * count
 
 
+@dataclass(frozen=True)
+class NeedleCompiledParts:
+    """Compiled stand-ins for parts of the backbone, run by a compiled decoding step (`get_compiled_call`).
+
+    layers: one callable per decoder layer, ``torch.compile`` of it (same parameters, same arguments).
+    engram_memory: ``torch.compile`` of `NeedleModel.engram_memory` (hashes, table rows, projections
+    and convolutions of every engram site as one graph instead of ~150 eager ops).
+    """
+
+    layers: tuple
+    engram_memory: Callable
+
+
 class _LayerCompiledCall:
-    """The model's ``__call__`` with each decoder layer run through ``torch.compile(layer, **options)``.
+    """The model's ``__call__`` with each decoder layer and the engram memory compiled
+    (``torch.compile(part, **options)``), handed to the forward as ``compiled_parts``.
 
     Every layer runs the same code on its own parameters and cache layer, so dynamo traces it once per
     variant (a plain layer, the first engram layer, another engram layer) and inductor compiles each
@@ -921,15 +935,14 @@ class _LayerCompiledCall:
     def __init__(self, model: "NeedleForCausalLM", options: dict):
         self.model = model
         self.options = options
-        self.layers = tuple(torch.compile(layer, **options) for layer in model.model.layers)
+        backbone = model.model
+        self.parts = NeedleCompiledParts(
+            layers=tuple(torch.compile(layer, **options) for layer in backbone.layers),
+            engram_memory=torch.compile(backbone.engram_memory, **options),
+        )
 
     def __call__(self, **inputs):
-        backbone = self.model.model
-        backbone._layer_calls = self.layers
-        try:
-            return self.model(**inputs)
-        finally:
-            backbone._layer_calls = None
+        return self.model(**inputs, compiled_parts=self.parts)
 
 
 def _init_value(tensor: torch.Tensor, value) -> None:
@@ -1128,8 +1141,6 @@ class NeedleModel(NeedlePreTrainedModel):
         self.embed_scale = math.sqrt(config.hidden_size)
         # Constants derived from the config, kept out of the state dict: copies per (name, device, dtype).
         self._constant_copies: dict[tuple, torch.Tensor] = {}
-        # The compiled layers while a compiled decoding step runs (`NeedleForCausalLM.get_compiled_call`).
-        self._layer_calls: Optional[tuple] = None
         self.gradient_checkpointing = False
         self.post_init()
 
@@ -1272,6 +1283,8 @@ class NeedleModel(NeedlePreTrainedModel):
         cache_position: Optional[torch.LongTensor] = None,
         past_key_values: Optional[Cache] = None,
         inputs_embeds: None = None,
+        *,
+        compiled_parts: Optional[NeedleCompiledParts] = None,
     ) -> Union[BaseModelOutputWithPast, tuple]:
         """Run the backbone on ``input_ids`` [B, S].
 
@@ -1290,6 +1303,8 @@ class NeedleModel(NeedlePreTrainedModel):
             output_attentions: return each layer's attention probabilities (eager attention only).
             attention_window: attend to the last ``n`` key slots only (0: all); default
                 ``config.attention_window`` (0, full attention). `generate(attention_window=n)` passes it.
+            compiled_parts: compiled layers and engram memory to run instead of the modules (what
+                `NeedleForCausalLM.get_compiled_call` passes); None runs the modules.
         """
         _refuse_inputs_embeds(inputs_embeds)
         cache = _merge_cache_arguments(past_key_values, cache)
@@ -1328,7 +1343,8 @@ class NeedleModel(NeedlePreTrainedModel):
         step = self.step_inputs(batch, length, cache_position, key_length, attention_mask, position_ids,
                                 attention_window=window)
         hidden, all_hidden, all_attentions = self.forward_with_step_inputs(
-            input_ids, step, cache, output_hidden_states=output_hidden_states, output_attentions=output_attentions
+            input_ids, step, cache, output_hidden_states=output_hidden_states, output_attentions=output_attentions,
+            compiled_parts=compiled_parts,
         )
         output = BaseModelOutputWithPast(
             last_hidden_state=hidden,
@@ -1346,11 +1362,15 @@ class NeedleModel(NeedlePreTrainedModel):
         *,
         output_hidden_states: bool = False,
         output_attentions: bool = False,
+        compiled_parts: Optional[NeedleCompiledParts] = None,
     ) -> tuple[torch.Tensor, Optional[tuple], Optional[tuple]]:
         """The layers over ``input_ids`` [B, S] with the call's `step_inputs` already made (MTP decoding
-        shares them with its head) -> (final-normed hidden [B, S, d], hidden states or None, attentions or None)."""
+        shares them with its head) -> (final-normed hidden [B, S, d], hidden states or None, attentions or None).
+        ``compiled_parts``: see `forward`."""
+        layers = self.layers if compiled_parts is None else compiled_parts.layers
+        engram_memory = self.engram_memory if compiled_parts is None else compiled_parts.engram_memory
         x0 = self.embed(input_ids).to(self.embed_tokens.weight.dtype)  # [B, S, d]
-        memory = self.engram_memory(input_ids, step, cache)
+        memory = engram_memory(input_ids, step, cache)
         # Contiguous, like every later layer's input: a compiled layer then serves the first one too.
         lanes = x0[:, :, None, :].expand(-1, -1, self.config.hyper_connection_lanes, -1).contiguous()  # [B, S, L, d]
 
@@ -1358,7 +1378,7 @@ class NeedleModel(NeedlePreTrainedModel):
         all_attentions = () if output_attentions else None
         layer_caches = _layer_caches(cache, len(self.layers))
         lane_offsets = zip(step.pre_offsets.unbind(0), step.post_offsets.unbind(0))
-        for i, (layer, offsets) in enumerate(zip(self._layer_calls or self.layers, lane_offsets)):
+        for i, (layer, offsets) in enumerate(zip(layers, lane_offsets)):
             key, value = memory.get(i, (None, None))
             lanes, probs = layer(lanes, key, value, step, cache=layer_caches[i], lane_offsets=offsets,
                                  output_attentions=output_attentions)
@@ -1441,6 +1461,8 @@ class NeedleForCausalLM(NeedlePreTrainedModel, GenerationMixin):
         shift_labels: Optional[torch.LongTensor] = None,
         past_key_values: Optional[Cache] = None,
         inputs_embeds: None = None,
+        *,
+        compiled_parts: Optional[NeedleCompiledParts] = None,
     ) -> Union[NeedleCausalLMOutput, tuple]:
         """Logits [B, S, V] float32 of ``input_ids`` [B, S] (see `NeedleModel.forward` for the inputs).
 
@@ -1454,6 +1476,7 @@ class NeedleForCausalLM(NeedlePreTrainedModel, GenerationMixin):
                 position indices (tensor); applies to ``mtp_logits`` too.
             return_mtp_logits: also return ``mtp_logits`` (``mtp_logits[:, t]`` scores token t + 2);
                 only on a forward over the whole text (empty cache).
+            compiled_parts: see `NeedleModel.forward` (`get_compiled_call` passes them).
         """
         forward_arguments = dict(locals())  # deploy numerics hook (first statement: the arguments only)
         qat_weights = training_weights(self)  # deploy numerics hook: QAT reruns on CQ weights
@@ -1478,6 +1501,7 @@ class NeedleForCausalLM(NeedlePreTrainedModel, GenerationMixin):
             return_dict=True,
             cache_position=cache_position,
             attention_window=attention_window,
+            compiled_parts=compiled_parts,
         )
         hidden = outputs.last_hidden_state
         keep = _positions_to_keep(logits_to_keep)
@@ -1538,7 +1562,8 @@ class NeedleForCausalLM(NeedlePreTrainedModel, GenerationMixin):
 
     def get_compiled_call(self, compile_config) -> "_LayerCompiledCall":
         """The decoding step `generate` runs with a static cache when it compiles (``compile_config``):
-        the model with each decoder layer compiled (`_LayerCompiledCall`), not one whole-model graph.
+        the model with each decoder layer and the engram memory compiled (`_LayerCompiledCall`), not one
+        whole-model graph.
         The prefill stays eager, as in transformers."""
         from transformers import CompileConfig
 
