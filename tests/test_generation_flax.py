@@ -27,15 +27,21 @@ def model(checkpoint):
     return FlaxNeedleForCausalLM.from_pretrained(checkpoint[0])
 
 
-def _decode_step_by_step(model, tokens, mask, chunks):
-    """Logits [B, T, V] computed through the cache, feeding the sequence in the given chunk sizes."""
+@pytest.fixture(scope="module")
+def cached_step(model):
+    """One jitted cached forward for the module: each chunk shape compiles once, for every test."""
+    return jax.jit(lambda ids, mask, pos, cache: model(ids, attention_mask=mask, position_ids=pos, past_key_values=cache))
+
+
+def _decode_step_by_step(model, step, tokens, mask, chunks):
+    """Logits [B, T, V] computed through the cache (`step`: the `cached_step` fixture), feeding the
+    sequence in the given chunk sizes."""
     b, t = tokens.shape
     cache = model.init_cache(b, t)
     positions = np.clip(np.cumsum(mask, axis=1) - 1, 0, None)
-    step = jax.jit(lambda ids, pos, cache: model(ids, attention_mask=mask, position_ids=pos, past_key_values=cache))
     out, start = [], 0
     for size in chunks:
-        result = step(tokens[:, start : start + size], positions[:, start : start + size], cache)
+        result = step(tokens[:, start : start + size], mask, positions[:, start : start + size], cache)
         cache = result.past_key_values
         out.append(np.asarray(result.logits))
         start += size
@@ -43,23 +49,25 @@ def _decode_step_by_step(model, tokens, mask, chunks):
     return np.concatenate(out, axis=1)
 
 
-def test_cached_decoding_equals_full_forward_at_every_position(model):
+def test_cached_decoding_equals_full_forward_at_every_position(model, cached_step):
     tokens = random_tokens(1, 2, 24, NATIVE["vocab_size"])  # > 11 tokens: past the engram conv reach
     mask = np.ones_like(tokens)
     full = np.asarray(model(tokens).logits)
-    stepped = _decode_step_by_step(model, tokens, mask, [5] + [1] * 19)
+    stepped = _decode_step_by_step(model, cached_step, tokens, mask, [5] + [1] * 19)
     np.testing.assert_allclose(stepped, full, atol=F32_TOL, rtol=0)
-    chunked = _decode_step_by_step(model, tokens, mask, [3, 7, 1, 13])
+    # Multi-token chunks at offsets 6 and 11 (one longer than the conv reach); sizes 5 and 1 are
+    # compiled already.
+    chunked = _decode_step_by_step(model, cached_step, tokens, mask, [5, 1, 5, 13])
     np.testing.assert_allclose(chunked, full, atol=F32_TOL, rtol=0)
 
 
-def test_cached_decoding_with_left_padding_equals_unpadded_rows(model):
+def test_cached_decoding_with_left_padding_equals_unpadded_rows(model, cached_step):
     long, short = random_tokens(2, 1, 20, NATIVE["vocab_size"])[0], random_tokens(3, 1, 13, NATIVE["vocab_size"])[0]
     tokens = np.zeros((2, 20), np.int32)
     mask = np.zeros((2, 20), np.int32)
     tokens[0], mask[0] = long, 1
     tokens[1, 7:], mask[1, 7:] = short, 1
-    stepped = _decode_step_by_step(model, tokens, mask, [8] + [1] * 12)
+    stepped = _decode_step_by_step(model, cached_step, tokens, mask, [8] + [1] * 12)
     np.testing.assert_allclose(stepped[0], np.asarray(model(long[None]).logits[0]), atol=F32_TOL, rtol=0)
     np.testing.assert_allclose(stepped[1, 7:], np.asarray(model(short[None]).logits[0]), atol=F32_TOL, rtol=0)
 
@@ -116,8 +124,8 @@ def test_sampling_is_reproducible_with_the_same_prng_key(model):
 
 def test_beam_search_runs_and_respects_max_length_and_eos(model):
     ids = random_tokens(10, 1, 6, NATIVE["vocab_size"])
-    greedy = np.asarray(model.generate(ids, max_new_tokens=5, do_sample=False).sequences)
-    first_token = int(greedy[0, 6])
+    # The greedy first token: the argmax of the prompt's last logits (one forward, not a compiled loop).
+    first_token = int(np.asarray(model(ids).logits)[0, -1].argmax())
     beams = np.asarray(model.generate(ids, num_beams=3, max_new_tokens=5, do_sample=False).sequences)
     assert beams.shape == (1, 11)
     np.testing.assert_array_equal(beams[0, :6], ids[0])
