@@ -11,8 +11,8 @@ Rows:
   requests and answers without the expected tool call.
 - executor ``mp`` (vLLM's default on the CPU): each engine replica is two processes, the engine core
   and a model worker, handing each step over through shared memory; ``uni``: the model runs inside
-  the engine-core process (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` in the server's environment, the one
-  setting under which vLLM's CPU platform keeps its in-process executor). A reader of vLLM's
+  the engine-core process (``--distributed-executor-backend uni`` with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``
+  in the server's environment, without which vLLM's CPU platform swaps ``uni`` for ``mp``). A reader of vLLM's
   shared-memory queue spins (`sched_yield`) for up to a second after each message, so with ``mp`` the
   waiting side of every hand-over keeps a core busy; on a 2-core machine that is the model's core.
 
@@ -91,6 +91,7 @@ def vllm_row(folder, workload, clients, data_parallel_size, log_dir, *, executor
     env = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
     if executor == "uni":  # the model in the engine-core process (see the module docstring)
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        args += ["--distributed-executor-backend", "uni"]  # vLLM's default with data parallelism is mp
     log = Path(log_dir) / f"serve-dp{data_parallel_size}-{executor}.log"
     with vllm_server(folder, *args, log_path=log, env=env) as base_url:
         client = OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=600)
