@@ -9,11 +9,18 @@ Rows:
   [--data-parallel-size K]`, N client threads each sending its share of the chats one after another
   with the official `openai` client (one OpenMP thread per engine replica, unpinned). Errors are failed
   requests and answers without the expected tool call.
+- executor ``mp`` (vLLM's default on the CPU): each engine replica is two processes, the engine core
+  and a model worker, handing each step over through shared memory; ``uni``: the model runs inside
+  the engine-core process (``--distributed-executor-backend uni`` with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``
+  in the server's environment, without which vLLM's CPU platform swaps ``uni`` for ``mp``). A reader of vLLM's
+  shared-memory queue spins (`sched_yield`) for up to a second after each message, so with ``mp`` the
+  waiting side of every hand-over keeps a core busy; on a 2-core machine that is the model's core.
 
 Reported: requests, errors, generated tokens/s, p50/p99 request latency, and vLLM's speed-up over the
 pipeline (goal >= 3x).
 
     .venv-vllm/bin/python benchmarks/serve_load.py [--clients 32] [--requests 128] [--data-parallel-sizes 1 2]
+        [--executors uni mp]
 """
 
 from __future__ import annotations
@@ -69,7 +76,7 @@ def hf_pipeline_row(folder, workload, batch_size):
             "tokens": tokens, "tokens_per_second": tokens / seconds}
 
 
-def vllm_row(folder, workload, clients, data_parallel_size, log_dir):
+def vllm_row(folder, workload, clients, data_parallel_size, log_dir, *, executor="mp"):
     from openai import OpenAI
 
     from vllm_support import vllm_server
@@ -82,7 +89,10 @@ def vllm_row(folder, workload, clients, data_parallel_size, log_dir):
     # One compute thread per replica, not pinned to a core: on a machine shared with other jobs a
     # pinned replica waits for its core while another is idle (see the README's serving figures).
     env = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
-    log = Path(log_dir) / f"serve-dp{data_parallel_size}.log"
+    if executor == "uni":  # the model in the engine-core process (see the module docstring)
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        args += ["--distributed-executor-backend", "uni"]  # vLLM's default with data parallelism is mp
+    log = Path(log_dir) / f"serve-dp{data_parallel_size}-{executor}.log"
     with vllm_server(folder, *args, log_path=log, env=env) as base_url:
         client = OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=600)
         model = client.models.list().data[0].id
@@ -109,7 +119,7 @@ def vllm_row(folder, workload, clients, data_parallel_size, log_dir):
     latencies = [r[0] for r in results]
     errors = [r[2] for r in results if r[2]]
     tokens = sum(r[1] for r in results)
-    return {"row": f"vllm dp={data_parallel_size}", "clients": clients, "requests": len(workload),
+    return {"row": f"vllm dp={data_parallel_size} {executor}", "clients": clients, "requests": len(workload),
             "errors": len(errors), "first_error": errors[0] if errors else None, "seconds": seconds,
             "tokens": tokens, "tokens_per_second": tokens / seconds,
             "p50_latency_s": statistics.median(latencies), "p99_latency_s": percentile(latencies, 99)}
@@ -120,6 +130,8 @@ def main():
     parser.add_argument("--clients", type=int, default=32)
     parser.add_argument("--requests", type=int, default=128)
     parser.add_argument("--data-parallel-sizes", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--executors", nargs="+", choices=["uni", "mp"], default=["uni", "mp"],
+                        help="uni: the model in the engine-core process; mp: in a worker process (vLLM's CPU default)")
     args = parser.parse_args()
 
     from vllm_support import demo_folder
@@ -130,11 +142,12 @@ def main():
         rows = [hf_pipeline_row(folder, workload, args.clients)]
         print(json.dumps(rows[-1]), flush=True)
         for size in args.data_parallel_sizes:
-            try:
-                rows.append(vllm_row(folder, workload, args.clients, size, scratch))
-            except RuntimeError as error:  # e.g. a replica count this machine cannot start
-                rows.append({"row": f"vllm dp={size}", "failed": str(error)[-1500:]})
-            print(json.dumps(rows[-1]), flush=True)
+            for executor in args.executors:
+                try:
+                    rows.append(vllm_row(folder, workload, args.clients, size, scratch, executor=executor))
+                except RuntimeError as error:  # e.g. a replica count this machine cannot start
+                    rows.append({"row": f"vllm dp={size} {executor}", "failed": str(error)[-1500:]})
+                print(json.dumps(rows[-1]), flush=True)
     hf = rows[0]["tokens_per_second"]
     for row in rows[1:]:
         if "tokens_per_second" in row:

@@ -17,9 +17,11 @@ Engram across the flat batch. An engram output at position p reads the tokens p 
 own request (H = `NeedleConfig.engram_history`). For each request the model lays out a segment
 ``[H tokens before the chunk, the chunk's tokens]`` and puts the segments side by side in one
 stream; positions before the text are marked hidden, and no output reads more than H positions
-back, so no output reads another request's segment. The H earlier tokens come from a token store
-keyed by KV-cache slot: every forward writes its input ids at the slots vLLM assigns them, and a
-request's earlier positions are found through its block table, like its keys and values. That is
+back, so no output reads another request's segment. Requests with one new token (decoding) get
+windows ``[H tokens, the token]`` of their own instead, as the twin decodes. The H earlier tokens
+come from a token store keyed by KV-cache slot: every forward writes its input ids at the slots
+vLLM assigns them, and a request's earlier positions are found through its block table, like its
+keys and values. That is
 exact for prompt and generated tokens, across chunked prefill and for prefix-cache hits (a cached
 block's slots hold the tokens that filled it). The model also declares `token_lookback_depth`, so
 runners that gather the prompt tokens before each chunk pass them as ``lookback_token_ids``; they
@@ -173,9 +175,72 @@ def flat_batch_engram_memory(
 
     ids: [N] the step's tokens, request r's at ``query_start_loc[r]:query_start_loc[r + 1]``;
     history_ids / history_visible: [R, H] the H tokens before each request's first new one and
-    whether each is text (None: no request has any). Request r's segment ``[history, new tokens]``
-    starts at ``query_start_loc[r] + r * H`` in one stream (see the module docstring).
+    whether each is text (None: no request has any).
+
+    Requests with one new token (decoding) are a batch of windows ``[history, token]`` [R_1, H + 1]
+    with one output each, as the twin decodes; the others are segments side by side in one stream
+    (`segment_stream_memory`). Decoding steps are most steps, and a window computes the key and the
+    convolution at its one new position only, where the stream computes them at every history row.
     """
+    if history_ids is None:
+        return segment_stream_memory(engrams, config, ids, query_start_loc, None, None, dtype=dtype)
+    counts = query_start_loc[1:] - query_start_loc[:-1]  # [R]
+    decoding = counts == 1
+    if bool(decoding.all()):  # one token per request: the windows are the flat batch, in order
+        windows = decoding_window_memory(engrams, config, ids, history_ids, history_visible, dtype=dtype)
+        return {layer: (key.view(1, -1, key.shape[-1]), value.view(1, -1, value.shape[-1]))
+                for layer, (key, value) in windows.items()}
+    if not bool(decoding.any()):
+        return segment_stream_memory(engrams, config, ids, query_start_loc, history_ids, history_visible, dtype=dtype)
+
+    decoding_tokens = query_start_loc[:-1][decoding]
+    windows = decoding_window_memory(engrams, config, ids[decoding_tokens], history_ids[decoding],
+                                     history_visible[decoding], dtype=dtype)
+    others = ~decoding
+    other_tokens = torch.repeat_interleave(others, counts)  # [N] bool, tokens of the other requests
+    other_starts = F.pad(counts[others].cumsum(0), (1, 0))  # [R_others + 1]
+    stream = segment_stream_memory(engrams, config, ids[other_tokens], other_starts, history_ids[others],
+                                   history_visible[others], dtype=dtype)
+    memory = {}
+    for layer, (key, value) in stream.items():
+        merged = []
+        for window_part, stream_part in ((windows[layer][0], key), (windows[layer][1], value)):
+            out = stream_part.new_empty(1, ids.shape[0], stream_part.shape[-1])
+            out[0, other_tokens] = stream_part[0]
+            out[0, decoding_tokens] = window_part[:, 0]
+            merged.append(out)
+        memory[layer] = tuple(merged)
+    return memory
+
+
+def decoding_window_memory(
+    engrams: nn.ModuleList,
+    config: NeedleConfig,
+    tokens: torch.Tensor,
+    history_ids: torch.Tensor,
+    history_visible: torch.Tensor,
+    *,
+    dtype: torch.dtype,
+) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Engram (key, value) [R, 1, d] of one new token per request (tokens [R]), from windows
+    ``[history, token]`` [R, H + 1] with one output each (the twin's decoding step)."""
+    window_ids = torch.cat([history_ids, tokens[:, None].long()], dim=1)  # [R, H + 1]
+    window_visible = F.pad(history_visible, (0, 1), value=True)
+    return engram_window_memory(engrams, config, window_ids, window_visible, config.engram_history, dtype)
+
+
+def segment_stream_memory(
+    engrams: nn.ModuleList,
+    config: NeedleConfig,
+    ids: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    history_ids: Optional[torch.Tensor],
+    history_visible: Optional[torch.Tensor],
+    *,
+    dtype: torch.dtype,
+) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """`flat_batch_engram_memory` of any requests as one stream: request r's segment ``[history,
+    new tokens]`` starts at ``query_start_loc[r] + r * H`` (see the module docstring)."""
     depth = config.engram_history
     device = ids.device
     num_requests = query_start_loc.shape[0] - 1

@@ -1,10 +1,13 @@
 """The flat-batch engram of needle_hf.vllm equals the PyTorch twin's, request by request (no engine).
 
-Three requests in one flat batch: a prompt from its start, a chunk in the middle of a text (its
-history is the 11 tokens before the chunk), a single decoding step with fewer earlier tokens than
-the history holds. Each must get the (key, value) the twin computes for that request alone with
-its cache of earlier tokens; and ids the runner passes as lookback take the place of store reads.
+A mixed flat batch: a prompt from its start, a chunk in the middle of a text (its history is the
+11 tokens before the chunk), decoding steps with fewer and with more earlier tokens than the
+history holds; and a batch of decoding steps only (the model's other path). Each request must get
+the (key, value) the twin computes for it alone with its cache of earlier tokens; and ids the
+runner passes as lookback take the place of store reads.
 """
+
+import pytest
 
 import torch
 from transformers import DynamicCache
@@ -17,7 +20,8 @@ from vllm_support import perturb_every_parameter
 CONFIG = dict(vocab_size=300, hidden_size=64, num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=2,
               engram_layers=(0, 1), engram_slots=128)
 # (tokens before the chunk, tokens in the chunk) per request
-REQUESTS = [(0, 9), (23, 7), (4, 1)]
+MIXED = [(0, 9), (4, 1), (23, 7), (30, 1)]
+DECODING = [(4, 1), (30, 1), (0, 1)]
 
 
 def twin_memory(model, text, start, count):
@@ -35,22 +39,23 @@ def twin_memory(model, text, start, count):
     return memory(text[start:start + count], start)
 
 
-def test_flat_batch_engram_equals_the_twin_per_request():
+@pytest.mark.parametrize("requests", [MIXED, DECODING], ids=["mixed", "decoding"])
+def test_flat_batch_engram_equals_the_twin_per_request(requests):
     torch.manual_seed(0)
     config = NeedleConfig(**CONFIG)
     model = NeedleForCausalLM(config).eval()
     perturb_every_parameter(model, seed=3)
     depth = config.engram_history
-    texts = [torch.randint(3, config.vocab_size, (start + count,)) for start, count in REQUESTS]
-    ids = torch.cat([text[start:] for text, (start, _) in zip(texts, REQUESTS)])
-    query_start_loc = torch.tensor([0, *torch.tensor([c for _, c in REQUESTS]).cumsum(0).tolist()])
-    earlier = torch.tensor([start for start, _ in REQUESTS])[:, None] - depth + torch.arange(depth)  # [R, H]
+    texts = [torch.randint(3, config.vocab_size, (start + count,)) for start, count in requests]
+    ids = torch.cat([text[start:] for text, (start, _) in zip(texts, requests)])
+    query_start_loc = torch.tensor([0, *torch.tensor([c for _, c in requests]).cumsum(0).tolist()])
+    earlier = torch.tensor([start for start, _ in requests])[:, None] - depth + torch.arange(depth)  # [R, H]
     history_ids = torch.stack([torch.where(row >= 0, text[row.clamp(min=0)], 0) for text, row in zip(texts, earlier)])
 
     with torch.no_grad():
         flat = flat_batch_engram_memory(model.model.engrams, config, ids, query_start_loc, history_ids, earlier >= 0,
                                         dtype=torch.float32)
-        for r, (text, (start, count)) in enumerate(zip(texts, REQUESTS)):
+        for r, (text, (start, count)) in enumerate(zip(texts, requests)):
             alone = twin_memory(model, text, start, count)
             rows = slice(int(query_start_loc[r]), int(query_start_loc[r + 1]))
             for layer, (key, value) in alone.items():
