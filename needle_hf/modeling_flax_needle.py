@@ -534,6 +534,35 @@ class FlaxNeedleEngram(nn.Module):
         return keys, values, projected[:, t:]
 
 
+def rematerialised(fn, *, activation_argument: int):
+    """`fn` whose backward pass recomputes its forward from the inputs instead of keeping activations.
+
+    As `jax.checkpoint`, but the recomputation waits for the output's cotangent: XLA's CPU pipeline
+    drops `jax.checkpoint`'s optimisation barriers before it schedules, and with the layers unrolled
+    it then recomputes every layer at the start of the backward pass, keeping all the activations
+    alive at once. Here the input `args[activation_argument]` (the activations `fn` reads; a float
+    array) gets one element of the cotangent times zero added, a data dependency XLA keeps (a
+    non-finite cotangent, which spoils the gradients anyway, then spoils all of them).
+    """
+
+    @jax.custom_vjp
+    def wrapped(*args):
+        return fn(*args)
+
+    def forward(*args):
+        return fn(*args), args
+
+    def backward(args, cotangent):
+        first = jax.tree.leaves(cotangent)[0].reshape(-1)[0]
+        args = list(args)
+        activations = args[activation_argument]
+        args[activation_argument] = activations + (first * 0).astype(activations.dtype)
+        return jax.vjp(fn, *args)[1](cotangent)
+
+    wrapped.defvjp(forward, backward)
+    return wrapped
+
+
 class FlaxNeedleLayerCollection(nn.Module):
     """Decoder layers whose parameters are named per layer (`model.layers.{i}.*`).
 
@@ -544,7 +573,7 @@ class FlaxNeedleLayerCollection(nn.Module):
     init of a standalone decoder layer, so initialising 27 layers costs one layer's compile. The
     cache holds each layer's keys [B, K, H, S] and values [B, K, S, H] as `keys_{i}`/`values_{i}`.
     With `gradient_checkpointing`, each layer's activations are recomputed in the backward pass
-    (`jax.checkpoint`) instead of being kept.
+    (`rematerialised`) instead of being kept.
     """
 
     config: NeedleConfig
@@ -596,7 +625,7 @@ class FlaxNeedleLayerCollection(nn.Module):
         caching = cache_vars is not None and not init_cache
         layer_module = self._layer()
 
-        def run_layer(params, lora, lanes, offsets, engram, kv):
+        def run_layer(params, lora, lanes, offsets, engram, kv, cos, sin, key_mask):
             variables = {"params": params} if lora is None else {"params": params, "lora": lora}
             return layer_module.apply(
                 variables, lanes, cos, sin, key_mask, offsets,
@@ -604,7 +633,7 @@ class FlaxNeedleLayerCollection(nn.Module):
             )
 
         if self.gradient_checkpointing:
-            run_layer = jax.checkpoint(run_layer)
+            run_layer = rematerialised(run_layer, activation_argument=2)  # lanes
         lane_means, attentions = [], []
         for i in range(cfg.num_hidden_layers):
             params = self.param(str(i), lambda rng, i=i: jax.tree.map(lambda leaf: leaf[i], initial))
@@ -612,7 +641,8 @@ class FlaxNeedleLayerCollection(nn.Module):
             engram = None if s is None else (memory[0][s], memory[1][s])
             kv = LayerKVCache(cache_vars[i][0].value, cache_vars[i][1].value, cache_index) if caching else None
             lora = self.get_variable("lora", str(i))  # this layer's LoRA adapters, if any (fine-tuning)
-            lanes, kv, weights = run_layer(params, lora, lanes, (pre_offsets[i], post_offsets[i]), engram, kv)
+            lanes, kv, weights = run_layer(params, lora, lanes, (pre_offsets[i], post_offsets[i]), engram, kv,
+                                           cos, sin, key_mask)
             if caching:
                 cache_vars[i][0].value, cache_vars[i][1].value = kv.keys, kv.values
             lane_means.append(jnp.mean(lanes, axis=2))
