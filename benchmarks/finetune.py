@@ -7,7 +7,9 @@ row. One training step = forward, backward, gradient clipping to 1.0 and an Adam
     (`lora_target_paths`, `init_lora`, `merge_lora`, `SimpleAttentionNetwork`, optax), no QAT;
   - needle-hf torch: `NeedleForCausalLM` wrapped by PEFT (`needle_lora_config`),
     `needle_causal_lm_loss`, `torch.nn.utils.clip_grad_norm_`, `torch.optim.AdamW`;
-  - needle-hf flax: `needle_hf.finetune_flax.make_train_step` (LoRA merged as a params transform).
+  - needle-hf flax: `needle_hf.finetune_flax.make_train_step` (LoRA applied beside the frozen
+    kernels, x @ W + (x @ A) @ (s B), not merged), the layers rematerialised in the backward pass
+    (`gradient_checkpointing=True`) as the reference's are (its `remat=True` default).
 Each runs in its own process (own compile caches and peak RSS), on the same weights and tokens; the
 figures are the median step time after two warm-up steps and the process's peak RSS, and the ratios
 are against the reference in the same run (target: <= 1.0x).
@@ -96,7 +98,7 @@ def flax_worker(steps: int) -> dict:
 
     with tempfile.TemporaryDirectory() as folder:
         make_base_checkpoint(folder)
-        model = FlaxNeedleForCausalLM.from_pretrained(folder)
+        model = FlaxNeedleForCausalLM.from_pretrained(folder, gradient_checkpointing=True)
     ids, mask = batch_arrays()
     batch = {"input_ids": ids, "attention_mask": np.ones_like(ids), "labels": np.where(mask > 0, ids, -100)}
     lora = init_lora(model.params, rank=RANK, key=jax.random.PRNGKey(0))

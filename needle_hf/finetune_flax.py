@@ -6,9 +6,11 @@ by `needle_hf.finetune_data`), one token mean over the batch, plus ``mtp_loss_we
 MTP head's t + 2 cross-entropy.
 
 LoRA is the reference's: for every backbone layer's q, k, v, gate and output projection kernel
-W [in, out] (y = x @ W), an adapter A [in, r] ~ N(0, 1) / r and B [r, out] = 0, merged as
-W + (alpha / r) * A @ B before the forward (`merge_lora`). Gradients flow to A and B only; the
-merged params are what `FlaxNeedleForCausalLM.save_pretrained(params=...)` writes.
+W [in, out] (y = x @ W), an adapter A [in, r] ~ N(0, 1) / r and B [r, out] = 0, equal to the
+merged kernel W + (alpha / r) * A @ B (`merge_lora`). Training applies it PEFT's way, beside the
+frozen kernel, `x @ W + (x @ A) @ ((alpha / r) * B)` (`lora_collection`; the reference merges
+before the forward): the same loss, but no merged kernels and no [in, out] kernel gradients, only
+A's and B's. The merged params are what `FlaxNeedleForCausalLM.save_pretrained(params=...)` writes.
 
 The optimiser is the reference's: gradient clipping to global norm 1.0, then AdamW with a linear
 warm-up over the first 5% of the steps and cosine decay to 0 (`finetune_optimizer`).
@@ -67,6 +69,12 @@ def merge_lora(params: dict, lora: dict, *, scale: float) -> dict:
     return unflatten_dict(flat)
 
 
+def lora_collection(lora: dict, *, scale: float) -> dict:
+    """The model's `lora` variable collection (`FlaxNeedleForCausalLM.__call__(lora=...)`): each
+    adapter {"A", "B": scale * B} at its projection's module path (the kernel path less ``kernel``)."""
+    return unflatten_dict({path[:-1]: {"A": adapter["A"], "B": scale * adapter["B"]} for path, adapter in lora.items()})
+
+
 def _shifted_cross_entropy(logits: jax.Array, labels: jax.Array, shift: int) -> jax.Array:
     """Token mean of CE(logits[:, t], labels[:, t + shift]) over labelled targets. logits [B, T, V], labels [B, T]."""
     targets = labels[:, shift:]
@@ -93,15 +101,18 @@ def finetune_optimizer(*, learning_rate: float, total_steps: int, weight_decay: 
 
 
 def make_loss_function(model, *, lora_scale: Optional[float], mtp_loss_weight: float = 0.0) -> Callable:
-    """``loss(trainable, frozen_params, batch)``: with ``lora_scale``, ``trainable`` is a LoRA adapter merged
-    into ``frozen_params``; with None, ``trainable`` is the full params tree (``frozen_params`` unused).
+    """``loss(trainable, frozen_params, batch)``: with ``lora_scale``, ``trainable`` is a LoRA adapter applied
+    beside ``frozen_params``; with None, ``trainable`` is the full params tree (``frozen_params`` unused).
 
     ``batch`` holds ``input_ids``, ``attention_mask`` and ``labels`` [B, T].
     """
 
     def loss(trainable, frozen_params, batch):
-        params = trainable if lora_scale is None else merge_lora(frozen_params, trainable, scale=lora_scale)
-        outputs = model(batch["input_ids"], attention_mask=batch["attention_mask"], params=params,
+        if lora_scale is None:
+            params, lora = trainable, None
+        else:
+            params, lora = frozen_params, lora_collection(trainable, scale=lora_scale)
+        outputs = model(batch["input_ids"], attention_mask=batch["attention_mask"], params=params, lora=lora,
                         output_mtp_logits=mtp_loss_weight > 0)
         return needle_causal_lm_loss(outputs.logits, batch["labels"], mtp_logits=outputs.mtp_logits,
                                      mtp_loss_weight=mtp_loss_weight)

@@ -254,7 +254,10 @@ class FlaxNeedleLinear(nn.Module):
     """Bias-free projection `x @ kernel`, kernel [in, out] named like `nn.Dense`'s (`.../kernel`).
 
     The kernel is declared in `setup`, so a parent can also read it (`.kernel`) and run several
-    projections of one input as a single matmul (`fused_projections`).
+    projections of one input as a single matmul (`fused_projections`). With a LoRA adapter in the
+    `lora` collection (`A` [in, r], `B` [r, out], B already scaled by alpha / r), the projection is
+    `x @ kernel + (x @ A) @ B`, PEFT's way: equal to the merged kernel's, but no merged kernel is
+    formed and the backward pass computes no [in, out] kernel gradient, only A's and B's.
     """
 
     in_features: int
@@ -266,7 +269,12 @@ class FlaxNeedleLinear(nn.Module):
         self.kernel = self.param("kernel", _normal(self.init_std), (self.in_features, self.out_features))
 
     def __call__(self, x):
-        return x.astype(self.dtype) @ self.kernel.astype(self.dtype)
+        x = x.astype(self.dtype)
+        y = x @ self.kernel.astype(self.dtype)  # [..., out]
+        if self.has_variable("lora", "A"):
+            a, b = self.get_variable("lora", "A"), self.get_variable("lora", "B")
+            y = y + (x @ a.astype(self.dtype)) @ b.astype(self.dtype)  # [..., r] @ [r, out]
+        return y
 
 
 def fused_projections(x, projections) -> list:
@@ -289,13 +297,14 @@ class FlaxNeedleAttention(nn.Module):
 
     def setup(self):
         cfg = self.config
-        dense = partial(nn.Dense, use_bias=False, dtype=self.dtype, kernel_init=_normal(cfg.initializer_range))
+        # FlaxNeedleLinear rather than nn.Dense: the same parameters, plus LoRA adapters (fine-tuning).
+        dense = partial(FlaxNeedleLinear, cfg.hidden_size, dtype=self.dtype, init_std=cfg.initializer_range)
         residual_std = cfg.initializer_range / math.sqrt(2 * cfg.num_hidden_layers)
         self.q_proj = dense(cfg.attention_dim)
         self.k_proj = dense(cfg.kv_dim)
         self.v_proj = dense(cfg.kv_dim)
         self.gate_proj = dense(cfg.attention_dim)
-        self.o_proj = dense(cfg.hidden_size, kernel_init=_normal(residual_std))
+        self.o_proj = FlaxNeedleLinear(cfg.attention_dim, cfg.hidden_size, dtype=self.dtype, init_std=residual_std)
         self.q_norm = FlaxNeedleRMSNorm(cfg, dtype=self.dtype)
         self.k_norm = FlaxNeedleRMSNorm(cfg, dtype=self.dtype)
 
@@ -525,6 +534,35 @@ class FlaxNeedleEngram(nn.Module):
         return keys, values, projected[:, t:]
 
 
+def rematerialised(fn, *, activation_argument: int):
+    """`fn` whose backward pass recomputes its forward from the inputs instead of keeping activations.
+
+    As `jax.checkpoint`, but the recomputation waits for the output's cotangent: XLA's CPU pipeline
+    drops `jax.checkpoint`'s optimisation barriers before it schedules, and with the layers unrolled
+    it then recomputes every layer at the start of the backward pass, keeping all the activations
+    alive at once. Here the input `args[activation_argument]` (the activations `fn` reads; a float
+    array) gets one element of the cotangent times zero added, a data dependency XLA keeps (a
+    non-finite cotangent, which spoils the gradients anyway, then spoils all of them).
+    """
+
+    @jax.custom_vjp
+    def wrapped(*args):
+        return fn(*args)
+
+    def forward(*args):
+        return fn(*args), args
+
+    def backward(args, cotangent):
+        first = jax.tree.leaves(cotangent)[0].reshape(-1)[0]
+        args = list(args)
+        activations = args[activation_argument]
+        args[activation_argument] = activations + (first * 0).astype(activations.dtype)
+        return jax.vjp(fn, *args)[1](cotangent)
+
+    wrapped.defvjp(forward, backward)
+    return wrapped
+
+
 class FlaxNeedleLayerCollection(nn.Module):
     """Decoder layers whose parameters are named per layer (`model.layers.{i}.*`).
 
@@ -535,7 +573,7 @@ class FlaxNeedleLayerCollection(nn.Module):
     init of a standalone decoder layer, so initialising 27 layers costs one layer's compile. The
     cache holds each layer's keys [B, K, H, S] and values [B, K, S, H] as `keys_{i}`/`values_{i}`.
     With `gradient_checkpointing`, each layer's activations are recomputed in the backward pass
-    (`jax.checkpoint`) instead of being kept.
+    (`rematerialised`) instead of being kept.
     """
 
     config: NeedleConfig
@@ -587,21 +625,24 @@ class FlaxNeedleLayerCollection(nn.Module):
         caching = cache_vars is not None and not init_cache
         layer_module = self._layer()
 
-        def run_layer(params, lanes, offsets, engram, kv):
+        def run_layer(params, lora, lanes, offsets, engram, kv, cos, sin, key_mask):
+            variables = {"params": params} if lora is None else {"params": params, "lora": lora}
             return layer_module.apply(
-                {"params": params}, lanes, cos, sin, key_mask, offsets,
+                variables, lanes, cos, sin, key_mask, offsets,
                 engram=engram, kv_cache=kv, output_attentions=output_attentions,
             )
 
         if self.gradient_checkpointing:
-            run_layer = jax.checkpoint(run_layer)
+            run_layer = rematerialised(run_layer, activation_argument=2)  # lanes
         lane_means, attentions = [], []
         for i in range(cfg.num_hidden_layers):
             params = self.param(str(i), lambda rng, i=i: jax.tree.map(lambda leaf: leaf[i], initial))
             s = site_of_layer.get(i)
             engram = None if s is None else (memory[0][s], memory[1][s])
             kv = LayerKVCache(cache_vars[i][0].value, cache_vars[i][1].value, cache_index) if caching else None
-            lanes, kv, weights = run_layer(params, lanes, (pre_offsets[i], post_offsets[i]), engram, kv)
+            lora = self.get_variable("lora", str(i))  # this layer's LoRA adapters, if any (fine-tuning)
+            lanes, kv, weights = run_layer(params, lora, lanes, (pre_offsets[i], post_offsets[i]), engram, kv,
+                                           cos, sin, key_mask)
             if caching:
                 cache_vars[i][0].value, cache_vars[i][1].value = kv.keys, kv.values
             lane_means.append(jnp.mean(lanes, axis=2))
@@ -1223,12 +1264,16 @@ class FlaxNeedlePreTrainedModel(FlaxPreTrainedModel):
         return_dict: Optional[bool] = None,
         *,
         output_mtp_logits: bool = False,
+        lora: Optional[dict] = None,
     ):
         """Run the model on input_ids [B, T] (see the module classes for the outputs).
 
         `dropout_rng` and `train` belong to the Flax models' calling convention; Needle has no
         dropout, so they change nothing. `attentions` (with `output_attentions`) are the attention
-        probabilities per layer, [B, N, T, S] float32.
+        probabilities per layer, [B, N, T, S] float32. `lora`: LoRA adapters as a `lora` variable
+        collection, nested like the params (`{"model": {"layers": {"0": {"self_attn": {"q_proj":
+        {"A": [in, r], "B": [r, out]}}}}}}`, B scaled by alpha / r), applied beside the kernels of
+        those projections (see `FlaxNeedleLinear`; `needle_hf.finetune_flax` builds it).
         """
         output_attentions = output_attentions if output_attentions is not None else self.config.output_attentions
         output_hidden_states = (
@@ -1240,6 +1285,11 @@ class FlaxNeedlePreTrainedModel(FlaxPreTrainedModel):
         input_ids, attention_mask, position_ids = self._prepare_call(input_ids, attention_mask, position_ids, past_key_values)
         variables = {"params": params or self.params}
         variables["params"] = training_weights(variables["params"], self.config, train=train)  # deploy numerics hook
+        if lora is not None:
+            if train and self.config.deploy_numerics:
+                # QAT quantises the merged kernel W + s * A @ B, which an adapter beside W never forms.
+                raise ValueError("lora: pass the merged params (finetune_flax.merge_lora) to train under deploy numerics")
+            variables["lora"] = lora
         options = dict(output_attentions=output_attentions, output_hidden_states=output_hidden_states, return_dict=return_dict)
         if self.module_class is FlaxNeedleForCausalLMModule:
             options["output_mtp_logits"] = output_mtp_logits

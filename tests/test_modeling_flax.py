@@ -294,11 +294,16 @@ def test_gradient_checkpointing_gives_the_same_gradients(tiny_checkpoints):
         picked = jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], axis=-1)
         return -jnp.mean(picked)
 
+    def temp_bytes(model):
+        compiled = jax.jit(jax.grad(lambda p: loss(model, p))).lower(model.params).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
     want = jax.grad(lambda p: loss(plain, p))(plain.params)
+    plain_temp = temp_bytes(plain)
     for model in (checkpointed, enabled):
         assert model.module.gradient_checkpointing
-        jaxpr = str(jax.make_jaxpr(jax.grad(lambda p: loss(model, p)))(model.params))
-        assert "checkpoint" in jaxpr or "remat" in jaxpr  # the layers really are rematerialised
+        # The layers really are rematerialised: the compiled backward keeps less alive at once.
+        assert temp_bytes(model) < plain_temp
         got = jax.grad(lambda p: loss(model, p))(model.params)
         for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(want), jax.tree_util.tree_leaves(got)):
             np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-6, rtol=1e-5, err_msg=str(path))
