@@ -14,12 +14,13 @@ Each runs in its own process (own compile caches and peak RSS), on the same weig
 figures are the median step time after two warm-up steps and the process's peak RSS, and the ratios
 are against the reference in the same run (target: <= 1.0x).
 
-    .venv/bin/python benchmarks/finetune.py [--steps 5] [--torch-threads 1]
+    .venv/bin/python benchmarks/finetune.py [--steps 5] [--torch-threads N]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import tempfile
 import time
 
@@ -145,8 +146,9 @@ def torch_worker(steps: int, threads: int) -> dict:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--torch-threads", type=int, default=1,
-                        help="torch intra-op threads (on two busy cores, one is usually fastest)")
+    parser.add_argument("--torch-threads", type=int, default=os.cpu_count(),
+                        help="torch intra-op threads (default: every core, as the reference's JAX step uses; "
+                             "on busy cores one is usually fastest)")
     parser.add_argument("--worker", choices=("reference", "flax", "torch"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker == "reference":
@@ -163,7 +165,7 @@ def main(argv=None):
     reference = results["reference"]
     print(f"LoRA fine-tuning step, Needle 2 geometry (base preset), float32, rank {RANK}, "
           f"batch {BATCH} x {TOKENS} tokens, median of {args.steps} steps")
-    for name, label in (("reference", "reference (jax)"), ("torch", f"needle-hf torch+PEFT ({args.torch_threads} thread)"),
+    for name, label in (("reference", "reference (jax)"), ("torch", f"needle-hf torch+PEFT ({args.torch_threads} thr.)"),
                         ("flax", "needle-hf flax+optax")):
         r = results[name]
         print(f"  {label:<34} step {r['step_s']:6.2f} s  ({r['step_s'] / reference['step_s']:.2f}x)   "
