@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Sets everything up (.venv, .venv-v5, .venv-vllm) and runs the whole test suite:
-#   1. every test under transformers 4.57 (Flax + PyTorch + conversion + Hub) in .venv;
+#   1. every test under transformers 4.57 (Flax + PyTorch + conversion + Hub) in .venv, on two pytest workers;
 #   2. the PyTorch model, pipeline, tokenizer and README suites again under the newest transformers 5.x in .venv-v5;
 #   3. the vLLM suite (tests/vllm_serving: generation parity, tool calling through the server) in .venv-vllm.
 # Suites 2 and 3 run one after the other beside suite 1 (its JAX compiles leave a core idle); their
@@ -35,8 +35,10 @@ others=$!
 trap 'kill $others 2>/dev/null; rm -rf "$LOGS"' EXIT
 
 status=0
-echo "=== transformers 4.57 (.venv): whole suite ==="
-.venv/bin/python -m pytest tests --durations=25 "$@" || status=1
+echo "=== transformers 4.57 (.venv): whole suite, two workers ==="
+# One pytest process keeps ~1.2 of the 2 cores busy (JAX compiles are single-threaded, the torch tests
+# run on one thread): two workers, whole files to each (module fixtures are built once), fill the rest.
+.venv/bin/python -m pytest tests -n 2 --dist loadfile --durations=25 "$@" || status=1
 
 wait $others
 for suite in v5 vllm; do
