@@ -8,7 +8,7 @@ import pytest
 
 from flax_support import random_tokens, write_hf_folder
 from needle_reference import TINY_NATIVE_CONFIG, make_native_params, reference_config
-from needle_hf.modeling_flax_needle import FlaxNeedleForCausalLM
+from needle_hf.modeling_flax_needle import FUSED_QKVG_KERNEL, FlaxNeedleForCausalLM, with_decoding_kernels
 
 NATIVE = dict(TINY_NATIVE_CONFIG, vocab_size=800)  # the fixture tokenizer's vocabulary
 F32_TOL = 1e-4
@@ -94,6 +94,41 @@ def test_greedy_generate_equals_the_reference_generation(model, checkpoint, need
         if eos in ours:  # the reference stops before EOS and pads nothing
             ours = ours[: ours.index(eos)]
         assert ours == expected["tokens"], prompt
+
+
+def test_decoding_kernels_give_the_plain_logits_and_yield_to_lora(model, cached_step):
+    """generate() runs on `with_decoding_kernels` (q, k, v and gate kernels in one matmul): the same
+    cached-step logits as the plain tree, and a LoRA adapter on a projection still applies."""
+    fused = with_decoding_kernels(model.params, model.config)
+    attn = fused["model"]["layers"]["1"]["self_attn"]
+    np.testing.assert_array_equal(
+        attn[FUSED_QKVG_KERNEL],
+        np.concatenate([attn[name]["kernel"] for name in ("q_proj", "k_proj", "v_proj", "gate_proj")], axis=1),
+    )
+    assert FUSED_QKVG_KERNEL not in model.params["model"]["layers"]["1"]["self_attn"]  # the model's tree is untouched
+    tokens = random_tokens(12, 2, 9, NATIVE["vocab_size"])
+    mask = np.ones_like(tokens)
+    positions = np.broadcast_to(np.arange(9), tokens.shape)
+
+    def decode(params, lora=None):
+        cache = model.init_cache(2, 9)
+        prefill = model(tokens[:, :8], attention_mask=mask, position_ids=positions[:, :8], past_key_values=cache,
+                        params=params, lora=lora)
+        step = model(tokens[:, 8:], attention_mask=mask, position_ids=positions[:, 8:],
+                     past_key_values=prefill.past_key_values, params=params, lora=lora)
+        return np.asarray(prefill.logits), np.asarray(step.logits)
+
+    for plain, derived in zip(decode(model.params), decode(fused)):
+        np.testing.assert_allclose(derived, plain, atol=1e-5, rtol=0)
+    d, r = model.config.hidden_size, 2
+    rng = np.random.default_rng(3)
+    adapter = {"A": rng.normal(0, 0.5, (d, r)).astype(np.float32),
+               "B": rng.normal(0, 0.5, (r, model.config.attention_dim)).astype(np.float32)}
+    lora = {"model": {"layers": {"1": {"self_attn": {"q_proj": adapter}}}}}
+    with_adapter = decode(model.params, lora)
+    assert np.abs(with_adapter[1] - decode(model.params)[1]).max() > 1e-3  # the adapter changes the logits
+    for plain, derived in zip(with_adapter, decode(fused, lora)):
+        np.testing.assert_allclose(derived, plain, atol=1e-5, rtol=0)
 
 
 def test_left_padded_batch_generation_equals_single_rows(model):
