@@ -3,7 +3,8 @@
 #   1. every test under transformers 4.57 (Flax + PyTorch + conversion + Hub) in .venv, on two pytest workers;
 #   2. the PyTorch model, pipeline, tokenizer and README suites again under the newest transformers 5.x in .venv-v5;
 #   3. the vLLM suite (tests/vllm_serving: generation parity, tool calling through the server) in .venv-vllm.
-# Suites 2 and 3 run one after the other beside suite 1; their output is printed when they end. Extra arguments go to every pytest run (e.g. ./test.sh -x -k parity).
+# Suites 2 and 3 run one after the other beside suite 1; their output is printed when they end.
+# Extra arguments go to every pytest run (e.g. ./test.sh -x -k parity).
 set -uo pipefail
 cd "$(dirname "$0")"
 bash scripts/setup.sh || exit 1

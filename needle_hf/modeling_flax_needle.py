@@ -281,8 +281,10 @@ class FlaxNeedleLinear(nn.Module):
         return y
 
 
-# Name of the derived kernel that `with_decoding_kernels` adds beside each layer's attention projections.
+# Name of the derived kernel that `with_decoding_kernels` adds beside each layer's attention projections,
+# and the projections it concatenates, in order.
 FUSED_QKVG_KERNEL = "qkvg_kernel"
+FUSED_QKVG_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "gate_proj")
 
 
 def with_decoding_kernels(params, config: NeedleConfig) -> dict:
@@ -295,25 +297,23 @@ def with_decoding_kernels(params, config: NeedleConfig) -> dict:
     18 ms against 11 ms per step). The concatenation is a copy (86 MB at the Needle 2 size), so
     `generate` makes it once per call, outside its decoding loop; other calls see the plain tree.
     """
-    params = unfreeze(params)
-    layers = params["model"]["layers"]
+    params = unfreeze(params)  # a new nested dict (the arrays shared): the caller's tree is left as it is
     for i in range(config.num_hidden_layers):
-        attn = dict(layers[str(i)]["self_attn"])
-        attn[FUSED_QKVG_KERNEL] = jnp.concatenate(
-            [attn[name]["kernel"] for name in ("q_proj", "k_proj", "v_proj", "gate_proj")], axis=1
-        )
-        layers[str(i)] = {**layers[str(i)], "self_attn": attn}
+        attn = params["model"]["layers"][str(i)]["self_attn"]
+        attn[FUSED_QKVG_KERNEL] = jnp.concatenate([attn[name]["kernel"] for name in FUSED_QKVG_PROJECTIONS], axis=1)
     return params
 
 
-def fused_projections(x, projections) -> list:
+def fused_projections(x, projections, *, kernel=None) -> list:
     """[p(x) for p in projections] (FlaxNeedleLinear layers of one input) as a single matmul.
 
     Worth it for narrow projections: a decoding step reads a few-column kernel inefficiently, and
-    one wider matmul reads all of them in one pass. Concatenating the kernels is a copy, but inside
-    a decoding loop (generate's `while_loop`) XLA hoists it out of the loop.
+    one wider matmul reads all of them in one pass. ``kernel``: their kernels already concatenated
+    (`with_decoding_kernels`); without it they are concatenated here, a copy, which inside a decoding
+    loop (generate's `while_loop`) XLA hoists out of the loop.
     """
-    kernel = jnp.concatenate([p.kernel for p in projections], axis=1)
+    if kernel is None:
+        kernel = jnp.concatenate([p.kernel for p in projections], axis=1)
     out = x.astype(projections[0].dtype) @ kernel.astype(projections[0].dtype)
     return jnp.split(out, np.cumsum([p.out_features for p in projections])[:-1].tolist(), axis=-1)
 
@@ -345,12 +345,10 @@ class FlaxNeedleAttention(nn.Module):
         cfg = self.config
         b, t, _ = x.shape
         x = quantize_activations(x, cfg)  # deploy numerics hook
-        projections = (self.q_proj, self.k_proj, self.v_proj, self.gate_proj)
+        projections = tuple(getattr(self, name) for name in FUSED_QKVG_PROJECTIONS)
         if self.has_variable("params", FUSED_QKVG_KERNEL) and not any(p.has_adapter() for p in projections):
             # Decoding kernels (`with_decoding_kernels`): one matmul for the four projections.
-            fused = x.astype(self.dtype) @ self.get_variable("params", FUSED_QKVG_KERNEL).astype(self.dtype)
-            splits = np.cumsum([p.out_features for p in projections])[:-1].tolist()
-            q, k, v, gate = jnp.split(fused, splits, axis=-1)
+            q, k, v, gate = fused_projections(x, projections, kernel=self.get_variable("params", FUSED_QKVG_KERNEL))
         else:
             q, k, v, gate = (p(x) for p in projections)
         q = self.q_norm(q.reshape(b, t, cfg.num_attention_heads, cfg.head_dim))  # [B, T, N, H]

@@ -8,7 +8,12 @@ import pytest
 
 from flax_support import random_tokens, write_hf_folder
 from needle_reference import TINY_NATIVE_CONFIG, make_native_params, reference_config
-from needle_hf.modeling_flax_needle import FUSED_QKVG_KERNEL, FlaxNeedleForCausalLM, with_decoding_kernels
+from needle_hf.modeling_flax_needle import (
+    FUSED_QKVG_KERNEL,
+    FUSED_QKVG_PROJECTIONS,
+    FlaxNeedleForCausalLM,
+    with_decoding_kernels,
+)
 
 NATIVE = dict(TINY_NATIVE_CONFIG, vocab_size=800)  # the fixture tokenizer's vocabulary
 F32_TOL = 1e-4
@@ -103,7 +108,7 @@ def test_decoding_kernels_give_the_plain_logits_and_yield_to_lora(model, cached_
     attn = fused["model"]["layers"]["1"]["self_attn"]
     np.testing.assert_array_equal(
         attn[FUSED_QKVG_KERNEL],
-        np.concatenate([attn[name]["kernel"] for name in ("q_proj", "k_proj", "v_proj", "gate_proj")], axis=1),
+        np.concatenate([attn[name]["kernel"] for name in FUSED_QKVG_PROJECTIONS], axis=1),
     )
     assert FUSED_QKVG_KERNEL not in model.params["model"]["layers"]["1"]["self_attn"]  # the model's tree is untouched
     tokens = random_tokens(12, 2, 9, NATIVE["vocab_size"])
