@@ -19,9 +19,9 @@ import argparse
 import tempfile
 from functools import partial
 
-import numpy as np
 
 from common import make_base_checkpoint, median_seconds
+from generate_worker import prompt_ids
 
 PROMPT_TOKENS, CACHE_LENGTH = 64, 128
 
@@ -48,7 +48,7 @@ def decoding_step(model, params, batch: int):
     import jax
     import jax.numpy as jnp
 
-    ids = np.random.default_rng(0).integers(4, model.config.vocab_size, (batch, PROMPT_TOKENS)).astype(np.int32)
+    ids = prompt_ids(batch, PROMPT_TOKENS)
     mask = jnp.ones((batch, CACHE_LENGTH), jnp.int32)
     prefill = model(ids, mask, jnp.broadcast_to(jnp.arange(PROMPT_TOKENS), ids.shape), params=params,
                     past_key_values=model.init_cache(batch, CACHE_LENGTH))
@@ -94,7 +94,7 @@ def main(argv=None):
         step = decoding_step(model, params, batch)
         step()
         seconds["step", batch] = median_seconds(step, args.repeats)
-    kv_bytes = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * CACHE_LENGTH * 4
+    kv_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(model.init_cache(1, CACHE_LENGTH)["model"]["layers"]))
     print(f"KV cache read per step: {kv_bytes / 1e6:.1f} MB per row ({CACHE_LENGTH} positions)")
     for batch in (1, 8):
         print(f"products, batch {batch}: {product_bytes / 1e6:.0f} MB of kernels at "
