@@ -58,6 +58,7 @@ from .numerics import (
     ENGRAM_FIRST_TAP_INIT,
     ENGRAM_HASH_PRIME,
     ENGRAM_HASH_SHIFT,
+    FUSED_QKVG_PROJECTIONS,
     HADAMARD_DIAG_HIDDEN_INIT,
     HADAMARD_DIAG_IN_INIT,
     HADAMARD_DIAG_OUT_INIT,
@@ -281,10 +282,9 @@ class FlaxNeedleLinear(nn.Module):
         return y
 
 
-# Name of the derived kernel that `with_decoding_kernels` adds beside each layer's attention projections,
-# and the projections it concatenates, in order.
+# Name of the derived kernel that `with_decoding_kernels` adds beside each layer's attention projections
+# (`numerics.FUSED_QKVG_PROJECTIONS`, concatenated in that order).
 FUSED_QKVG_KERNEL = "qkvg_kernel"
-FUSED_QKVG_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "gate_proj")
 
 
 def with_decoding_kernels(params, config: NeedleConfig) -> dict:

@@ -52,6 +52,10 @@ CONTRASTIVE_NORM_EPS = 1e-12
 # `model.embed_tokens.weight` (tied, stored once), as {tied name: the tensor it shares}.
 TIED_WEIGHTS = {"lm_head.weight": "model.embed_tokens.weight"}
 
+# The attention projections of one input that a decoding step runs as one product (both twins'
+# `fused_projections`), in the order their outputs are concatenated.
+FUSED_QKVG_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "gate_proj")
+
 # Hyper-connection routing: rounds of log-space Sinkhorn normalisation (rows, then columns).
 SINKHORN_ITERATIONS = 20
 # Widest logit spread (max - min, in nats) of one lane-mixing matrix that the models' Sinkhorn

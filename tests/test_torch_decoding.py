@@ -17,7 +17,8 @@ from transformers import DynamicCache, StaticCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from needle_hf.configuration_needle import NeedleConfig
-from needle_hf.modeling_needle import NeedleEngramCacheLayer, NeedleForCausalLM
+from needle_hf.modeling_needle import NeedleEngramCacheLayer, NeedleForCausalLM, decoding_kernels, fused_projections
+from needle_hf.numerics import FUSED_QKVG_PROJECTIONS
 from needle_hf.weight_names import native_to_hf
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")  # conftest: torch on one thread
@@ -237,6 +238,60 @@ def test_compiled_static_generate_compiles_one_layer_for_all_layers():
                                   compile_config=compile_config, **options)
     assert torch.equal(compiled, eager)
     assert counters["stats"]["unique_graphs"] == 4
+
+
+def test_decoding_kernels_give_the_projections_outputs(model):
+    """The packed [in, out] projections of a decoding step give the modules' outputs; a projection that
+    is not a plain linear layer (a PEFT adapter around it) gets no kernels, so its module runs."""
+    from peft import LoraConfig, get_peft_model
+
+    attention = model.model.layers[1].self_attn
+    kernels = decoding_kernels(attention)
+    config = model.config
+    assert kernels.qkvg.shape == (config.hidden_size, 2 * config.attention_dim + 2 * config.kv_dim)
+    assert kernels.o.shape == (config.attention_dim, config.hidden_size)
+    x = torch.randn(2, 3, config.hidden_size, generator=torch.Generator().manual_seed(0))
+    projections = [getattr(attention, name) for name in FUSED_QKVG_PROJECTIONS]
+    with torch.no_grad():
+        fused = fused_projections(x, projections, kernel=kernels.qkvg)
+        for projection, out in zip(projections, fused):
+            assert (out - projection(x)).abs().max().item() <= TOLERANCE
+        assert ((x[..., : config.attention_dim] @ kernels.o) - attention.o_proj(x[..., : config.attention_dim])).abs().max() <= TOLERANCE
+
+    adapted = get_peft_model(make_model(make_native_params(TINY_NATIVE_CONFIG, seed=5)),
+                             LoraConfig(r=2, target_modules=["q_proj"]))
+    assert decoding_kernels(adapted.base_model.model.model.layers[1].self_attn) is None
+
+
+def test_compiled_one_row_steps_follow_weights_changed_in_place(params):
+    """A batch-1 compiled decoding step runs on packed kernels; after a weight changes in place (a
+    training step, `load_state_dict`) the next `generate` packs them again and gives the eager tokens."""
+    from transformers import CompileConfig
+
+    model = make_model(params)
+    ids = tokens(1, 7, seed=4)
+    options = dict(max_new_tokens=5, do_sample=False, cache_implementation="static",
+                   compile_config=CompileConfig(fullgraph=True, dynamic=False, backend="aot_eager"), **NO_EOS)
+    eager_options = {k: v for k, v in options.items() if k not in ("cache_implementation", "compile_config")}
+    with torch.no_grad():
+        before = model.generate(ids, **options)
+        assert torch.equal(before, model.generate(ids, **eager_options))
+        packed = model._compiled_call.current_kernels()
+        assert all(k is not None for k in packed)
+        logits_before = model(ids).logits
+        generator = torch.Generator().manual_seed(1)
+        for layer in model.model.layers:
+            for weight in (layer.self_attn.q_proj.weight, layer.self_attn.o_proj.weight):
+                weight.copy_(torch.randn(weight.shape, generator=generator))
+        after = model.generate(ids, **options)
+        assert torch.equal(after, model.generate(ids, **eager_options))
+        assert (model(ids).logits - logits_before).abs().max().item() > 1e-2  # the change matters
+        repacked = model._compiled_call.current_kernels()
+    for layer, new, old in zip(model.model.layers, repacked, packed):
+        attention = layer.self_attn
+        assert new is not old
+        assert torch.equal(new.qkvg[:, : model.config.attention_dim], attention.q_proj.weight.t())
+        assert torch.equal(new.o, attention.o_proj.weight.t())
 
 
 class Prefill(torch.nn.Module):

@@ -82,12 +82,13 @@ class NeedlePagedAttention(NeedleAttention):
             prefix=f"{prefix}.attn",
         )
 
-    def forward(self, x: torch.Tensor, step: NeedleStepInputs, cache=None, **attention_kwargs):
+    def forward(self, x: torch.Tensor, step: NeedleStepInputs, cache=None, *, kernels=None, **attention_kwargs):
         """x: [1, N, d] (normed, the flat batch) -> ([1, N, d], None)."""
-        if cache is not None or attention_kwargs:
+        if cache is not None or kernels is not None or attention_kwargs:
             raise ValueError(
-                "vLLM owns the KV cache and the attention kernel: Needle's vLLM attention takes no cache "
-                f"and no attention options (got cache={type(cache).__name__}, options={sorted(attention_kwargs)})"
+                "vLLM owns the KV cache and the attention kernel: Needle's vLLM attention takes no cache, "
+                f"no decoding kernels and no attention options (got cache={type(cache).__name__}, "
+                f"kernels={type(kernels).__name__}, options={sorted(attention_kwargs)})"
             )
         _, length, _ = x.shape
         x = quantize_activations(x, self.config)  # deploy numerics hook, as in the twin
