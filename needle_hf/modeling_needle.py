@@ -349,13 +349,14 @@ class NeedleDecodingKernels:
 
 # Most rows (batch x new tokens) a step runs on `NeedleDecodingKernels` (see there).
 DECODING_KERNEL_MAX_ROWS = 4
+# The attention projections `NeedleDecodingKernels` copy: the fused four, then the output projection.
+DECODING_KERNEL_PROJECTIONS = FUSED_QKVG_PROJECTIONS + ("o_proj",)
 
 
 def decoding_kernels(attention: "NeedleAttention") -> Optional[NeedleDecodingKernels]:
     """`NeedleDecodingKernels` of ``attention``'s current weights, or None where a projection is not a
     plain bias-less linear layer (a PEFT adapter wraps it, say: then the modules must run)."""
-    names = FUSED_QKVG_PROJECTIONS + ("o_proj",)
-    projections = [getattr(attention, name) for name in names]
+    projections = [getattr(attention, name) for name in DECODING_KERNEL_PROJECTIONS]
     if any(type(p) not in (nn.Linear, NeedleResidualLinear) or p.bias is not None for p in projections):
         return None
     with torch.no_grad():
@@ -1006,7 +1007,7 @@ class _LayerCompiledCall:
     def _packing_sources(self) -> list:
         sources = []
         for layer in self.model.model.layers:
-            for name in FUSED_QKVG_PROJECTIONS + ("o_proj",):
+            for name in DECODING_KERNEL_PROJECTIONS:
                 module = getattr(layer.self_attn, name)
                 weight = getattr(module, "weight", None)
                 sources.append((module, weight, None if weight is None else weight._version))
