@@ -72,6 +72,7 @@ from .numerics import (
     engram_table_seeds,
     hyper_connection_offsets,
     rope_inverse_frequencies,
+    walsh_factor_sizes,
     walsh_matrix,
 )
 from .weight_names import (
@@ -395,15 +396,10 @@ class FlaxNeedleAttention(nn.Module):
 
 
 def walsh_transform(z: jnp.ndarray) -> jnp.ndarray:
-    """`z @ walsh_matrix(n)` over the last axis (n a power of two), as two small matmuls.
-
-    The Sylvester matrix factors as a Kronecker product, W_n = W_a (x) W_b with n = a * b, so
-    z W_n = W_a^T Z W_b for Z = z reshaped [a, b]: 2 * n * sqrt(n) multiply-adds instead of n^2, and
-    no n x n matrix to stream per token (1 MB for n = 512).
-    """
+    """`z @ walsh_matrix(n)` over the last axis (n a power of two), as two small matmuls over its
+    Kronecker factors (`numerics.walsh_factor_sizes`)."""
     n = z.shape[-1]
-    a = 1 << ((n.bit_length() - 1 + 1) // 2)
-    b = n // a
+    a, b = walsh_factor_sizes(n)
     walsh_a, walsh_b = (jnp.asarray(walsh_matrix(m), z.dtype) for m in (a, b))
     z = z.reshape(*z.shape[:-1], a, b) @ walsh_b  # [..., a, b]
     return (walsh_a @ z).reshape(*z.shape[:-2], n)  # W_a is symmetric: W_a^T Z = W_a Z

@@ -76,7 +76,6 @@ from .numerics import (
     ENGRAM_FIRST_TAP_INIT,
     ENGRAM_HASH_PRIME,
     ENGRAM_HASH_SHIFT,
-    FUSED_QKVG_PROJECTIONS,
     HADAMARD_DIAG_HIDDEN_INIT,
     HADAMARD_DIAG_IN_INIT,
     HADAMARD_DIAG_OUT_INIT,
@@ -90,7 +89,9 @@ from .numerics import (
     engram_table_orders,
     engram_table_seeds,
     hyper_connection_offsets,
+    kv_cache_bits,
     rope_inverse_frequencies,
+    walsh_factor_sizes,
     walsh_matrix,
 )
 from .speculative import mtp_generate, trim_to_max_length
@@ -210,6 +211,15 @@ def _linear_space_sinkhorn(shifted: torch.Tensor, iterations: int, floor: float 
     return k
 
 
+def walsh_transform(z: torch.Tensor, walsh: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """``z @ walsh_matrix(n)`` over the last axis, as two small products over its Kronecker factors
+    ``walsh`` = (W_a [a, a], W_b [b, b]) (`numerics.walsh_factor_sizes`)."""
+    walsh_a, walsh_b = walsh
+    a, b = walsh_a.shape[0], walsh_b.shape[0]
+    z = z.reshape(*z.shape[:-1], a, b) @ walsh_b  # [..., a, b]
+    return (walsh_a @ z).reshape(*z.shape[:-2], a * b)  # W_a is symmetric: W_a^T Z = W_a Z
+
+
 def lane_mean(lanes: torch.Tensor) -> torch.Tensor:
     """Mean over the hyper-connection lanes [B, S, L, d] -> [B, S, d], accumulated in float32."""
     return lanes.float().mean(dim=2).to(lanes.dtype)
@@ -270,14 +280,6 @@ def default_position_ids(
     return positions.gather(1, new_positions[None].expand(batch, -1).to(positions.device))
 
 
-def repeat_kv(hidden: torch.Tensor, repeats: int) -> torch.Tensor:
-    """[B, KV, K, hd] -> [B, KV * repeats, K, hd]: query head h reads key/value head h // repeats."""
-    if repeats == 1:
-        return hidden
-    batch, heads, length, width = hidden.shape
-    return hidden[:, :, None].expand(batch, heads, repeats, length, width).reshape(batch, heads * repeats, length, width)
-
-
 def eager_attention_forward(
     module: nn.Module,
     query: torch.Tensor,
@@ -292,17 +294,20 @@ def eager_attention_forward(
 
     query: [B, H, S, hd]; key, value: [B, KV, K, hd]; attention_mask: additive [B, 1, S, K].
     Returns (output [B, S, H, hd], probabilities [B, H, S, K] float32, on the autograd path).
+    Query head h reads key/value head h // (H / KV): the queries of a group are stacked against their
+    one key/value head ([B, KV, G * S, hd]) rather than the keys and values repeated per head.
     Other keyword arguments of the attention-function interface are not used by this kernel.
     """
-    key = repeat_kv(key, module.num_key_value_groups)
-    value = repeat_kv(value, module.num_key_value_groups)
-    scores = torch.matmul(query.float(), key.float().transpose(-1, -2)) * scaling
+    batch, heads, length, head_dim = query.shape
+    kv_heads, keys = key.shape[1], key.shape[-2]
+    grouped = query.float().reshape(batch, kv_heads, -1, head_dim)  # [B, KV, G * S, hd]
+    scores = torch.matmul(grouped, key.float().transpose(-1, -2)).view(batch, heads, length, keys) * scaling
     if attention_mask is not None:
-        scores = scores + attention_mask[..., : key.shape[-2]].float()
+        scores = scores + attention_mask[..., :keys].float()
     probs = scores.softmax(dim=-1)
-    weights = F.dropout(probs, p=dropout, training=module.training)
-    out = torch.matmul(weights.to(value.dtype), value).transpose(1, 2).contiguous()
-    return out, probs
+    weights = F.dropout(probs, p=dropout, training=module.training).to(value.dtype)
+    out = torch.matmul(weights.view(batch, kv_heads, -1, keys), value)  # [B, KV, G * S, hd]
+    return out.view(batch, heads, length, head_dim).transpose(1, 2).contiguous(), probs
 
 
 @dataclass
@@ -314,9 +319,12 @@ class NeedleStepInputs:
         for flex attention the same mask as a `BlockMask`.
     cos, sin: [B, 1, S, head_dim] float32 RoPE tables of the new positions (both halves the same).
     cache_position: [S] positions of the new tokens in the cache (where their keys are written).
-    walsh: [n, n] Walsh-Hadamard matrix (compute dtype).
+    walsh: (W_a [a, a], W_b [b, b]), the Kronecker factors of the [n, n] Walsh-Hadamard matrix
+        (compute dtype; `walsh_transform`).
     pre_offsets, post_offsets: [layers, L] float32 lane-ownership offsets of the hyper-connection
         logits (`numerics.hyper_connection_offsets`).
+    attention_implementation: the attention function to use instead of the config's (a compiled
+        decoding step runs sdpa as the same grouped products as eager, see `_DecoderLayerStep`).
     """
 
     key_visible: torch.Tensor
@@ -324,50 +332,10 @@ class NeedleStepInputs:
     cos: torch.Tensor
     sin: torch.Tensor
     cache_position: torch.Tensor
-    walsh: torch.Tensor
+    walsh: tuple[torch.Tensor, torch.Tensor]
     pre_offsets: torch.Tensor
     post_offsets: torch.Tensor
-
-
-@dataclass(frozen=True)
-class NeedleDecodingKernels:
-    """One attention layer's projections packed for decoding steps, both [in, out] (``x @ kernel``).
-
-    qkvg: [d, 2 * attention_dim + 2 * kv_dim], the q, k, v and gate weights transposed and concatenated
-        (`numerics.FUSED_QKVG_PROJECTIONS` order); o: [attention_dim, d], ``o_proj`` transposed.
-
-    A decoding step reads every weight once for a row or a few: on the CPU one [in, out] product per
-    input reads them ~1.5x faster than four ``F.linear`` calls on the [out, in] weights (27 layers at
-    the Needle 2 size, one thread: 11-13 ms against 17-21 ms per step), up to `DECODING_KERNEL_MAX_ROWS`
-    rows (at 8 rows: 33 ms against 28). The packing is a copy (113 MB at that size), so only the
-    compiled decoding step (`get_compiled_call`) keeps one.
-    """
-
-    qkvg: torch.Tensor
-    o: torch.Tensor
-
-
-# Most rows (batch x new tokens) a step runs on `NeedleDecodingKernels` (see there).
-DECODING_KERNEL_MAX_ROWS = 4
-# The attention projections `NeedleDecodingKernels` copy: the fused four, then the output projection.
-DECODING_KERNEL_PROJECTIONS = FUSED_QKVG_PROJECTIONS + ("o_proj",)
-
-
-def decoding_kernels(attention: "NeedleAttention") -> Optional[NeedleDecodingKernels]:
-    """`NeedleDecodingKernels` of ``attention``'s current weights, or None where a projection is not a
-    plain bias-less linear layer (a PEFT adapter wraps it, say: then the modules must run)."""
-    projections = [getattr(attention, name) for name in DECODING_KERNEL_PROJECTIONS]
-    if any(type(p) not in (nn.Linear, NeedleResidualLinear) or p.bias is not None for p in projections):
-        return None
-    with torch.no_grad():
-        qkvg = torch.cat([p.weight for p in projections[:-1]]).t().contiguous()
-        return NeedleDecodingKernels(qkvg=qkvg, o=projections[-1].weight.t().contiguous())
-
-
-def fused_projections(x: torch.Tensor, projections, *, kernel: torch.Tensor) -> list:
-    """[p(x) for p in projections] (bias-less linear layers of one input) as one product with their
-    weights packed [in, sum of outs] (`NeedleDecodingKernels.qkvg`)."""
-    return list((x @ kernel).split([p.out_features for p in projections], dim=-1))
+    attention_implementation: Optional[str] = None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -430,26 +398,19 @@ class NeedleAttention(nn.Module):
         x: torch.Tensor,
         step: NeedleStepInputs,
         cache: Optional[Union[Cache, CacheLayerMixin]] = None,
-        *,
-        kernels: Optional[NeedleDecodingKernels] = None,
         **attention_kwargs,
     ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """x: [B, S, d] (normed) -> ([B, S, d], attention probabilities [B, H, S, K] or None).
 
         ``cache``: the model's KV cache, or this layer's own layer of it (a static cache's, see
         `NeedleModel.forward`: then the layer index is not read, and one compiled layer serves all).
-        ``kernels``: this layer's `decoding_kernels`, to run the projections as two packed products.
 
         ``attention_kwargs`` go to the attention function unchanged (e.g. ``output_attentions``, the
         varlen arguments of flash/paged kernels); `NeedleModel.forward` names the ones it passes.
         """
         batch, length, _ = x.shape
         x = quantize_activations(x, self.config)  # deploy numerics hook
-        projections = [getattr(self, name) for name in FUSED_QKVG_PROJECTIONS]
-        if kernels is None:
-            q, k, v, gate = (p(x) for p in projections)
-        else:
-            q, k, v, gate = fused_projections(x, projections, kernel=kernels.qkvg)
+        q, k, v, gate = self.q_proj(x), self.k_proj(x), self.v_proj(x), self.gate_proj(x)
         q = q.reshape(batch, length, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H, S, hd]
         k = k.reshape(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, KV, S, hd]
         v = v.reshape(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, KV, S, hd]
@@ -462,7 +423,7 @@ class NeedleAttention(nn.Module):
         elif cache is not None and self.layer_idx is not None:
             k, v = cache.update(k, v, self.layer_idx, {"cache_position": step.cache_position})  # [B, KV, K, hd]
 
-        implementation = self.config._attn_implementation
+        implementation = step.attention_implementation or self.config._attn_implementation
         attention = eager_attention_forward if implementation == "eager" else ALL_ATTENTION_FUNCTIONS[implementation]
         out, probs = attention(
             self,
@@ -476,7 +437,7 @@ class NeedleAttention(nn.Module):
         )
         out = out.reshape(batch, length, -1) * torch.sigmoid(gate)  # [B, S, attention_dim]
         out = quantize_activations(out, self.config)  # deploy numerics hook
-        return (self.o_proj(out) if kernels is None else out @ kernels.o), probs
+        return self.o_proj(out), probs
 
 
 class NeedleHadamardMLP(nn.Module):
@@ -490,12 +451,12 @@ class NeedleHadamardMLP(nn.Module):
         self.diag_hidden = nn.Parameter(torch.ones(n))
         self.diag_out = nn.Parameter(torch.full((n,), HADAMARD_DIAG_OUT_INIT))
 
-    def forward(self, x: torch.Tensor, walsh: torch.Tensor) -> torch.Tensor:
-        """x: [B, S, d], walsh: [n, n] -> [B, S, d]."""
-        padding = walsh.shape[0] - self.hidden_size
+    def forward(self, x: torch.Tensor, walsh: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """x: [B, S, d], walsh: the Walsh matrix's Kronecker factors (`walsh_transform`) -> [B, S, d]."""
+        padding = self.diag_in.shape[0] - self.hidden_size
         z = F.pad(x, (0, padding)) if padding else x  # [B, S, n]
-        z = (self.diag_in * z) @ walsh
-        z = F.silu(self.diag_hidden * z) @ walsh
+        z = walsh_transform(self.diag_in * z, walsh)
+        z = walsh_transform(F.silu(self.diag_hidden * z), walsh)
         return (self.diag_out * z)[..., : self.hidden_size]
 
 
@@ -520,13 +481,10 @@ class NeedleBlock(nn.Module):
         x: torch.Tensor,
         step: NeedleStepInputs,
         cache: Optional[Cache] = None,
-        *,
-        kernels: Optional[NeedleDecodingKernels] = None,
         **attention_kwargs,
     ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """x: [B, S, d] -> ([B, S, d], attention probabilities or None); ``kernels``: see `NeedleAttention`."""
-        attended, probs = self.self_attn(self.input_layernorm(x), step, cache=cache, kernels=kernels,
-                                         **attention_kwargs)
+        """x: [B, S, d] -> ([B, S, d], attention probabilities or None)."""
+        attended, probs = self.self_attn(self.input_layernorm(x), step, cache=cache, **attention_kwargs)
         # sigmoid in the parameter dtype, then cast (the reference's `_gate`).
         gate = torch.sigmoid(self.attention_gate).to(x.dtype)
         x = x + gate * self.post_attention_layernorm(attended)
@@ -607,7 +565,6 @@ class NeedleDecoderLayer(NeedleBlock, GradientCheckpointingLayer):
         cache: Optional[Union[Cache, CacheLayerMixin]] = None,
         *,
         lane_offsets: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-        kernels: Optional[NeedleDecodingKernels] = None,
         **attention_kwargs,
     ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """lanes: [B, S, L, d]; engram_key, engram_value: [B, S, d] of this layer's engram site (or None).
@@ -615,7 +572,6 @@ class NeedleDecoderLayer(NeedleBlock, GradientCheckpointingLayer):
         lane_offsets: this layer's rows of ``step.pre_offsets`` / ``step.post_offsets`` (default: read
         by layer index). `NeedleModel` passes them, and a static cache's own layer as ``cache``, so a
         compiled layer reads no per-layer constant and compiles once for all layers (`get_compiled_call`).
-        kernels: this layer's `decoding_kernels` (the compiled decoding step passes them), or None.
         """
         if lane_offsets is None:
             index = self.hyper_connection.layer_idx
@@ -629,7 +585,7 @@ class NeedleDecoderLayer(NeedleBlock, GradientCheckpointingLayer):
             eps = self.hyper_connection.eps
             relevance = (rms_unit(u, eps) * rms_unit(engram_key, eps)).sum(-1) / math.sqrt(self.hidden_size)  # [B, S]
             x = u + (torch.sigmoid(relevance)[..., None] * engram_value.float()).to(u.dtype)
-        y, probs = self.block(x, step, cache=cache, kernels=kernels, **attention_kwargs)
+        y, probs = self.block(x, step, cache=cache, **attention_kwargs)
         y = y - u
         mixed = torch.matmul(mixing, lanes_f32) + write[..., None] * y.float()[:, :, None, :]  # [B, S, L, d]
         return mixed.to(lanes.dtype), probs
@@ -712,8 +668,15 @@ def engram_window_memory(
 
 
 def tied_logits(hidden: torch.Tensor, embedding_weight: torch.Tensor) -> torch.Tensor:
-    """Float32 ``hidden @ E.T``: [..., d] -> [..., V] (the output head is the token embedding)."""
-    return hidden.float() @ embedding_weight.float().T
+    """Float32 ``hidden @ E.T``: [..., d] -> [..., V] (the output head is the token embedding).
+
+    One row (a batch-1 decoding step) is a matrix-vector product over E's rows: on the CPU it reads
+    the 16 MB table about twice as fast as the one-row matrix product (single-thread MKL).
+    """
+    hidden, weight = hidden.float(), embedding_weight.float()
+    if hidden.numel() == hidden.shape[-1] and not torch.is_grad_enabled():
+        return torch.mv(weight, hidden.reshape(-1)).reshape(*hidden.shape[:-1], -1)
+    return hidden @ weight.T
 
 
 class NeedleMultiTokenPrediction(nn.Module):
@@ -973,61 +936,220 @@ def _layer_caches(cache: Optional[Cache], count: int) -> list:
 class NeedleCompiledParts:
     """Compiled stand-ins for parts of the backbone, run by a compiled decoding step (`get_compiled_call`).
 
-    layers: one callable per decoder layer, ``torch.compile`` of it (same parameters, same arguments).
+    layers: one callable per decoder layer, taking the layer's arguments (`_CompiledDecoderLayer`).
     engram_memory: ``torch.compile`` of `NeedleModel.engram_memory` (hashes, table rows, projections
     and convolutions of every engram site as one graph instead of ~150 eager ops).
-    kernels: each layer's `decoding_kernels` (None for a layer whose projections must run as modules).
     """
 
     layers: tuple
     engram_memory: Callable
-    kernels: tuple
+
+
+class _StaticKeysInPlace(CacheLayerMixin):
+    """A static cache layer's keys and values [B, KV, K, hd] inside a traced decoding step: `update`
+    writes the new ones in place at ``positions`` [S] and returns the whole tensors, as `StaticLayer`."""
+
+    is_compileable = True
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor):
+        self.keys, self.values, self.positions = keys, values, positions
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        self.keys.index_copy_(2, self.positions, key_states)
+        self.values.index_copy_(2, self.positions, value_states)
+        return self.keys, self.values
+
+    def lazy_initialization(self, *args):
+        raise TypeError("a decoding step's cache view holds allocated keys only")
+
+    get_mask_sizes = get_seq_length = get_max_cache_shape = lazy_initialization
+
+
+def _static_write_positions(layer: StaticLayer, length: int, cache_position: torch.Tensor) -> torch.Tensor:
+    """Where a `StaticLayer` writes the keys of ``length`` new tokens, advancing its count as its
+    `update` does: transformers 5.x layers count what they hold (``cumulative_length``), 4.57 layers
+    write at ``cache_position``."""
+    if not hasattr(layer, "cumulative_length"):
+        return cache_position
+    positions = torch.arange(length, device=cache_position.device) + layer.cumulative_length
+    layer.cumulative_length += length  # in place for a tensor count, as `StaticLayer.update`
+    return positions
+
+
+class _DecoderLayerStep(nn.Module):
+    """A decoder layer's decoding step over a static cache as a function of tensors alone:
+    ``(lanes, attention_mask, cos, sin, positions, walsh_a, walsh_b, pre_offset, post_offset, keys,
+    values, [engram_key, engram_value], *parameters) -> lanes``, the keys and values written in place.
+
+    The layer's parameters are inputs (named ``parameter_names``), so the program traced from one
+    layer serves every layer of the same structure. ``attention_implementation``: see `NeedleStepInputs`.
+    """
+
+    def __init__(self, layer: "NeedleDecoderLayer", parameter_names: tuple, *, with_engram: bool,
+                 attention_implementation: Optional[str]):
+        super().__init__()
+        self.parameter_names = parameter_names
+        self.with_engram = with_engram
+        self.attention_implementation = attention_implementation
+        self._layer = (layer,)  # not a submodule: the traced program takes its parameters as inputs
+
+    def forward(self, lanes, attention_mask, cos, sin, positions, walsh_a, walsh_b, pre_offset, post_offset, keys,
+                values, *rest):
+        engram = rest[:2] if self.with_engram else (None, None)
+        parameters = dict(zip(self.parameter_names, rest[2:] if self.with_engram else rest))
+        step = NeedleStepInputs(key_visible=None, attention_mask=attention_mask, cos=cos, sin=sin,
+                                cache_position=positions, walsh=(walsh_a, walsh_b), pre_offsets=None, post_offsets=None,
+                                attention_implementation=self.attention_implementation)
+        options = dict(cache=_StaticKeysInPlace(keys, values, positions), lane_offsets=(pre_offset, post_offset))
+        return torch.func.functional_call(self._layer[0], parameters, (lanes, *engram, step), options)[0]
+
+
+@dataclass(frozen=True)
+class _LayerBinding:
+    """What a compiled decoding step reads of one decoder layer: its parameters (named) and the module
+    tree they were read from, to notice a replaced module or parameter (a PEFT adapter, say)."""
+
+    names: tuple
+    parameters: tuple
+    signature: tuple  # (name, shape, dtype) of every parameter: part of a program's key
+    slots: tuple  # (module, attribute) of every parameter
+    children: tuple  # (parent, attribute, child) of every submodule
+
+    @classmethod
+    def of(cls, layer: "NeedleDecoderLayer") -> "_LayerBinding":
+        named = list(layer.named_parameters())
+        modules = dict(layer.named_modules())
+        return cls(
+            names=tuple(name for name, _ in named),
+            parameters=tuple(p for _, p in named),
+            signature=tuple((name, tuple(p.shape), p.dtype) for name, p in named),
+            slots=tuple((modules[name.rpartition(".")[0]], name.rpartition(".")[2]) for name, _ in named),
+            children=tuple((parent, attribute, child) for parent in modules.values()
+                           for attribute, child in parent._modules.items()),
+        )
+
+    def current(self) -> bool:
+        """Whether the layer still holds these modules and parameters."""
+        return all(parent._modules.get(attribute) is child for parent, attribute, child in self.children) and all(
+            module._parameters.get(attribute) is p for (module, attribute), p in zip(self.slots, self.parameters)
+        )
+
+
+class _CompiledDecoderLayer:
+    """Decoder layer ``index`` as a compiled decoding step runs it: same arguments as the layer."""
+
+    def __init__(self, call: "_LayerCompiledCall", index: int):
+        self.call = call
+        self.index = index
+
+    def __call__(self, lanes, engram_key, engram_value, step, cache=None, *, lane_offsets,
+                 output_attentions: bool = False):
+        return self.call.run_layer(self.index, lanes, engram_key, engram_value, step, cache,
+                                   lane_offsets=lane_offsets, output_attentions=output_attentions)
+
+
+# Inductor settings of the decoding-step programs (the caller's ``options`` win): one-row products
+# become reductions inductor generates and fuses, reading each weight row once (~1.5x the speed of
+# the extern one-row matmul at the Needle 2 size, one thread).
+DECODING_STEP_INDUCTOR_OPTIONS = {"post_grad_fusion_options": {"decompose_mm_pass": {}}}
 
 
 class _LayerCompiledCall:
-    """The model's ``__call__`` with each decoder layer and the engram memory compiled
-    (``torch.compile(part, **options)``), handed to the forward as ``compiled_parts``.
+    """The model's ``__call__`` for decoding steps over a static cache, its decoder layers and engram
+    memory compiled, handed to the forward as ``compiled_parts``.
 
-    Every layer runs the same code on its own parameters and cache layer, so dynamo traces it once per
-    variant (a plain layer, the first engram layer, another engram layer) and inductor compiles each
-    once, instead of one graph of every layer unrolled. The few ops between layers stay eager.
-    Steps of at most `DECODING_KERNEL_MAX_ROWS` rows run the projections on `decoding_kernels`, packed
-    again whenever a weight they copy has changed (trained, loaded or replaced) since they were made.
+    Each decoder layer's step is traced once per variant (with or without an engram site, input shapes,
+    parameter table, numerics settings: the program's key) by `torch.export` into a program of tensors
+    alone, the layer's parameters among them (`_DecoderLayerStep`), and compiled by inductor straight
+    from that graph (``torch._inductor.compile``, `DECODING_STEP_INDUCTOR_OPTIONS`). Every layer then
+    calls the same program on its own tensors with no guard evaluation: dynamo's per-call guards and
+    wrappers cost more than a layer's kernels in a one-row step. Another ``backend`` than inductor
+    compiles the traced program with ``torch.compile``. The engram memory is ``torch.compile`` of
+    `NeedleModel.engram_memory`; the few ops between layers stay eager. A step the programs do not
+    cover (gradients on, attention probabilities asked for, flex attention's block masks, a cache that
+    is not static) runs the layer modules.
     """
 
     def __init__(self, model: "NeedleForCausalLM", options: dict):
         self.model = model
         self.options = options
         backbone = model.model
-        self.layers = tuple(torch.compile(layer, **options) for layer in backbone.layers)
+        self.layers = tuple(_CompiledDecoderLayer(self, index) for index in range(len(backbone.layers)))
         self.engram_memory = torch.compile(backbone.engram_memory, **options)
-        self._packed_from = None  # (module, weight, weight version) of every packed projection
-        self._kernels = ()
+        self.programs = {}  # program key -> compiled program
+        self._bindings = ()
+        self._keyed_step = None
+        self._step_key_value = None
 
-    def _packing_sources(self) -> list:
-        sources = []
-        for layer in self.model.model.layers:
-            for name in DECODING_KERNEL_PROJECTIONS:
-                module = getattr(layer.self_attn, name)
-                weight = getattr(module, "weight", None)
-                sources.append((module, weight, None if weight is None else weight._version))
-        return sources
+    def bindings(self) -> tuple:
+        """Each decoder layer's `_LayerBinding`, made again for a layer whose modules changed."""
+        layers = self.model.model.layers
+        if len(self._bindings) != len(layers):
+            self._bindings = tuple(_LayerBinding.of(layer) for layer in layers)
+        elif not all(binding.current() for binding in self._bindings):
+            self._bindings = tuple(
+                binding if binding.current() else _LayerBinding.of(layer) for binding, layer in zip(self._bindings, layers)
+            )
+        return self._bindings
 
-    def current_kernels(self) -> tuple:
-        """Each layer's `decoding_kernels` of the model's present weights (packed again if they changed)."""
-        sources = self._packing_sources()
-        packed_from = self._packed_from
-        if packed_from is None or len(packed_from) != len(sources) or any(
-            m is not n or w is not x or u != v for (m, w, u), (n, x, v) in zip(sources, packed_from)
-        ):
-            self._kernels = tuple(decoding_kernels(layer.self_attn) for layer in self.model.model.layers)
-            self._packed_from = sources
-        return self._kernels
+    def _compiled_program(self, program: _DecoderLayerStep, inputs: list) -> Callable:
+        exported = torch.export.export(program, tuple(inputs), strict=False)
+        graph = exported.module()
+        backend = self.options.get("backend", "inductor")
+        if backend != "inductor":
+            return torch.compile(graph, backend=backend, fullgraph=True, dynamic=False)
+        from torch._inductor import compile as inductor_compile, list_mode_options
+
+        mode = self.options.get("mode")
+        settings = dict(DECODING_STEP_INDUCTOR_OPTIONS, **(list_mode_options(mode) if mode else {}),
+                        **(self.options.get("options") or {}))
+        return inductor_compile(graph, inputs, options=settings)
+
+    def _step_key(self, step: NeedleStepInputs) -> tuple:
+        """What a program's key takes from the step's shared tensors and the numerics settings (once per step)."""
+        if self._keyed_step is not step:
+            config = self.model.config
+            tensors = (step.attention_mask, step.cos, step.sin, step.cache_position, *step.walsh)
+            self._keyed_step = step
+            self._step_key_value = (
+                tuple((tuple(t.shape), t.dtype) for t in tensors),
+                config._attn_implementation, config.deploy_numerics, config.act_bits, kv_cache_bits(config),
+            )
+        return self._step_key_value
+
+    def run_layer(self, index, lanes, engram_key, engram_value, step, cache, *, lane_offsets, output_attentions):
+        layer = self.model.model.layers[index]
+        traceable = (
+            not output_attentions
+            and not torch.is_grad_enabled()
+            and isinstance(cache, StaticLayer)
+            and cache.is_initialized
+            and isinstance(step.attention_mask, torch.Tensor)
+        )
+        if not traceable:
+            return layer(lanes, engram_key, engram_value, step, cache=cache, lane_offsets=lane_offsets,
+                         output_attentions=output_attentions)
+        binding = self._bindings[index]
+        with_engram = engram_key is not None
+        key = (binding.signature, with_engram, lanes.shape, lanes.dtype, cache.keys.shape, cache.keys.dtype,
+               self._step_key(step))
+        positions = _static_write_positions(cache, lanes.shape[1], step.cache_position)
+        inputs = [lanes, step.attention_mask, step.cos, step.sin, positions, *step.walsh, *lane_offsets,
+                  cache.keys, cache.values, *((engram_key, engram_value) if with_engram else ()), *binding.parameters]
+        program = self.programs.get(key)
+        if program is None:
+            # sdpa and eager are the same products; one query row over a few hundred keys runs fastest
+            # as eager's grouped matrix products (sdpa's CPU kernel expands the keys to every head).
+            implementation = "eager" if self.model.config._attn_implementation in ("eager", "sdpa") else None
+            traced = _DecoderLayerStep(layer, binding.names, with_engram=with_engram,
+                                       attention_implementation=implementation)
+            program = self.programs[key] = self._compiled_program(traced, inputs)
+        return program(*inputs), None
 
     def __call__(self, **inputs):
-        rows = inputs["input_ids"].numel()
-        kernels = self.current_kernels() if rows <= DECODING_KERNEL_MAX_ROWS else (None,) * len(self.layers)
-        parts = NeedleCompiledParts(layers=self.layers, engram_memory=self.engram_memory, kernels=kernels)
+        self.bindings()
+        parts = NeedleCompiledParts(layers=self.layers, engram_memory=self.engram_memory)
         return self.model(**inputs, compiled_parts=parts)
 
 
@@ -1243,13 +1365,14 @@ class NeedleModel(NeedlePreTrainedModel):
 
     def constant(self, name: str, device, dtype) -> torch.Tensor:
         """A constant table of the architecture on ``device`` in ``dtype``, built once per placement:
-        ``walsh`` [n, n] (the MLPs' orthonormal Walsh-Hadamard matrix), ``rope_inverse_frequencies``
+        ``walsh_a`` [a, a] and ``walsh_b`` [b, b] (the Kronecker factors of the MLPs' orthonormal
+        Walsh-Hadamard matrix, `numerics.walsh_factor_sizes`), ``rope_inverse_frequencies``
         [head_dim // 2], ``pre_offsets`` / ``post_offsets`` [layers, L] (hyper-connection lane ownership)."""
         placement = (name, str(device), dtype)
         if placement not in self._constant_copies:
             config = self.config
-            if name == "walsh":
-                table = walsh_matrix(config.hadamard_size)
+            if name in ("walsh_a", "walsh_b"):
+                table = walsh_matrix(walsh_factor_sizes(config.hadamard_size)[name == "walsh_b"])
             elif name == "rope_inverse_frequencies":
                 table = rope_inverse_frequencies(config.head_dim, config.rope_theta)
             elif name in ("pre_offsets", "post_offsets"):
@@ -1308,7 +1431,7 @@ class NeedleModel(NeedlePreTrainedModel):
             cos=cos[:, None],
             sin=sin[:, None],
             cache_position=cache_position,
-            walsh=self.constant("walsh", device, dtype),
+            walsh=(self.constant("walsh_a", device, dtype), self.constant("walsh_b", device, dtype)),
             pre_offsets=self.constant("pre_offsets", device, torch.float32),
             post_offsets=self.constant("post_offsets", device, torch.float32),
         )
@@ -1455,7 +1578,6 @@ class NeedleModel(NeedlePreTrainedModel):
         ``compiled_parts``: see `forward`."""
         layers = self.layers if compiled_parts is None else compiled_parts.layers
         engram_memory = self.engram_memory if compiled_parts is None else compiled_parts.engram_memory
-        kernels = (None,) * len(self.layers) if compiled_parts is None else compiled_parts.kernels
         x0 = self.embed(input_ids).to(self.embed_tokens.weight.dtype)  # [B, S, d]
         memory = engram_memory(input_ids, step, cache)
         # Contiguous, like every later layer's input: a compiled layer then serves the first one too.
@@ -1468,7 +1590,7 @@ class NeedleModel(NeedlePreTrainedModel):
         for i, (layer, offsets) in enumerate(zip(layers, lane_offsets)):
             key, value = memory.get(i, (None, None))
             lanes, probs = layer(lanes, key, value, step, cache=layer_caches[i], lane_offsets=offsets,
-                                 kernels=kernels[i], output_attentions=output_attentions)
+                                 output_attentions=output_attentions)
             if output_hidden_states:
                 all_hidden += (lane_mean(lanes),)
             if output_attentions:

@@ -52,8 +52,8 @@ CONTRASTIVE_NORM_EPS = 1e-12
 # `model.embed_tokens.weight` (tied, stored once), as {tied name: the tensor it shares}.
 TIED_WEIGHTS = {"lm_head.weight": "model.embed_tokens.weight"}
 
-# The attention projections of one input that a decoding step runs as one product (both twins'
-# `fused_projections`), in the order their outputs are concatenated.
+# The attention projections of one input that a Flax decoding step runs as one product
+# (`fused_projections`), in the order their outputs are concatenated.
 FUSED_QKVG_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "gate_proj")
 
 # Hyper-connection routing: rounds of log-space Sinkhorn normalisation (rows, then columns).
@@ -105,6 +105,15 @@ def walsh_matrix(n: int) -> np.ndarray:
     while h.shape[0] < n:
         h = np.block([[h, h], [h, -h]])
     return (h / np.sqrt(n)).astype(np.float32)
+
+
+def walsh_factor_sizes(n: int) -> tuple[int, int]:
+    """(a, b) with a * b = n, a >= b, both powers of two: Sylvester's ``walsh_matrix(n)`` is the
+    Kronecker product ``walsh_matrix(a) (x) walsh_matrix(b)``, so ``z @ walsh_matrix(n)`` is
+    ``W_a^T Z W_b`` with Z = z reshaped [a, b] (both models' ``walsh_transform``): 2 n sqrt(n)
+    multiply-adds instead of n^2, and no n x n matrix to read per token (1 MB for n = 512)."""
+    a = 1 << (n.bit_length() // 2)
+    return a, n // a
 
 
 def rope_inverse_frequencies(head_dim: int, theta: float) -> np.ndarray:

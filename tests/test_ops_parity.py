@@ -18,7 +18,7 @@ from conversion import native_forward as numpy_ops
 from needle_hf import modeling_flax_needle as flax_ops
 from needle_hf import modeling_needle as torch_ops
 from needle_hf.configuration_needle import NeedleConfig
-from needle_hf.numerics import SINKHORN_LINEAR_SPACE_MAX_SPREAD, walsh_matrix
+from needle_hf.numerics import SINKHORN_LINEAR_SPACE_MAX_SPREAD, walsh_factor_sizes, walsh_matrix
 
 F32_TOL = 2e-6
 EPS = 1e-6
@@ -85,6 +85,10 @@ def test_engram_hash():
     np.testing.assert_array_equal(np.asarray(flax_ops.engram_hash_indices(jnp.asarray(tokens), (2, 3), 2, 97)), want)
 
 
+def _torch_walsh_factors(width: int) -> tuple:
+    return tuple(torch.from_numpy(walsh_matrix(m)) for m in walsh_factor_sizes(width))
+
+
 @pytest.mark.parametrize("width", [16, 32, 512])
 def test_walsh_transform(width):
     # The Sylvester matrix in closed form: W[i, j] = (-1)^popcount(i & j) / sqrt(n).
@@ -94,7 +98,7 @@ def test_walsh_transform(width):
     z = _rng(5).standard_normal((2, 3, width)).astype(np.float32)
     want = numpy_ops.walsh_transform(z)
     _close(flax_ops.walsh_transform(jnp.asarray(z)), want, tol=1e-5)
-    _close(torch.from_numpy(z) @ torch.from_numpy(walsh_matrix(width)), want, tol=1e-5)
+    _close(torch_ops.walsh_transform(torch.from_numpy(z), _torch_walsh_factors(width)), want, tol=1e-5)
 
 
 def test_hadamard_mlp():
@@ -113,7 +117,7 @@ def test_hadamard_mlp():
     with torch.no_grad():
         for name, key in (("diag_in", "d1"), ("diag_hidden", "d2"), ("diag_out", "d3")):
             getattr(mlp, name).copy_(torch.from_numpy(diags[key]))
-        _close(mlp(torch.from_numpy(x), torch.from_numpy(walsh_matrix(n))), want, tol=1e-5)
+        _close(mlp(torch.from_numpy(x), _torch_walsh_factors(n)), want, tol=1e-5)
 
 
 @pytest.mark.parametrize("past_length", [0, 3])

@@ -17,8 +17,7 @@ from transformers import DynamicCache, StaticCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from needle_hf.configuration_needle import NeedleConfig
-from needle_hf.modeling_needle import NeedleEngramCacheLayer, NeedleForCausalLM, decoding_kernels, fused_projections
-from needle_hf.numerics import FUSED_QKVG_PROJECTIONS
+from needle_hf.modeling_needle import NeedleEngramCacheLayer, NeedleForCausalLM
 from needle_hf.weight_names import native_to_hf
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")  # conftest: torch on one thread
@@ -216,56 +215,35 @@ def test_static_decode_step_compiles_as_one_graph(model):
     assert model._can_compile_fullgraph
 
 
-def test_compiled_static_generate_compiles_one_layer_for_all_layers():
+def test_compiled_static_generate_compiles_one_program_per_layer_variant():
     """`generate(cache_implementation="static", compile_config=...)` on the CPU: the decoding steps run
-    compiled decoder layers (`get_compiled_call`), one graph per layer variant (the first engram layer,
-    another engram layer, a plain layer) however deep the model, plus one of the engram memory, and give
-    the eager tokens."""
-    from torch._dynamo.utils import counters
+    each decoder layer as a program traced by `torch.export` and compiled by inductor
+    (`get_compiled_call`), one program per layer variant (a layer with an engram site, one without)
+    however deep the model, called with each layer's own parameters; the tokens are the eager ones,
+    at one row (one-row products as inductor reductions) and at several."""
     from transformers import CompileConfig
 
     config = NeedleConfig.from_needle_config(dict(TINY_NATIVE_CONFIG, num_layers=6))  # engram layers 0 and 2
     torch.manual_seed(0)
     model = NeedleForCausalLM._from_config(config).eval()
-    ids, mask = left_padded(2, 7, seed=3)
     options = dict(max_new_tokens=6, do_sample=False, **NO_EOS)
-    compile_config = CompileConfig(fullgraph=True, dynamic=False, backend="aot_eager")
-    torch._dynamo.reset()
-    counters.clear()
+    compile_config = CompileConfig(fullgraph=True, dynamic=False)
     with torch.no_grad():
-        eager = model.generate(ids, attention_mask=mask, **options)
-        compiled = model.generate(ids, attention_mask=mask, cache_implementation="static",
-                                  compile_config=compile_config, **options)
-    assert torch.equal(compiled, eager)
-    assert counters["stats"]["unique_graphs"] == 4
+        for ids, mask in (left_padded(2, 7, seed=3), (tokens(1, 5, seed=2), torch.ones(1, 5, dtype=torch.long))):
+            eager = model.generate(ids, attention_mask=mask, **options)
+            compiled = model.generate(ids, attention_mask=mask, cache_implementation="static",
+                                      compile_config=compile_config, **options)
+            assert torch.equal(compiled, eager)
+    programs = model._compiled_call.programs
+    assert len(programs) == 4  # {with, without an engram site} x {two rows, one row}
+    assert {key[1] for key in programs} == {True, False}
 
 
-def test_decoding_kernels_give_the_projections_outputs(model):
-    """The packed [in, out] projections of a decoding step give the modules' outputs; a projection that
-    is not a plain linear layer (a PEFT adapter around it) gets no kernels, so its module runs."""
+def test_compiled_steps_follow_weights_changed_in_place_and_replaced_modules(params):
+    """The compiled decoding step reads each layer's parameters when it runs: after weights change in
+    place (a training step, `load_state_dict`) and after a PEFT adapter replaces a projection, the next
+    compiled `generate` gives the eager tokens of the model as it now is."""
     from peft import LoraConfig, get_peft_model
-
-    attention = model.model.layers[1].self_attn
-    kernels = decoding_kernels(attention)
-    config = model.config
-    assert kernels.qkvg.shape == (config.hidden_size, 2 * config.attention_dim + 2 * config.kv_dim)
-    assert kernels.o.shape == (config.attention_dim, config.hidden_size)
-    x = torch.randn(2, 3, config.hidden_size, generator=torch.Generator().manual_seed(0))
-    projections = [getattr(attention, name) for name in FUSED_QKVG_PROJECTIONS]
-    with torch.no_grad():
-        fused = fused_projections(x, projections, kernel=kernels.qkvg)
-        for projection, out in zip(projections, fused):
-            assert (out - projection(x)).abs().max().item() <= TOLERANCE
-        assert ((x[..., : config.attention_dim] @ kernels.o) - attention.o_proj(x[..., : config.attention_dim])).abs().max() <= TOLERANCE
-
-    adapted = get_peft_model(make_model(make_native_params(TINY_NATIVE_CONFIG, seed=5)),
-                             LoraConfig(r=2, target_modules=["q_proj"]))
-    assert decoding_kernels(adapted.base_model.model.model.layers[1].self_attn) is None
-
-
-def test_compiled_one_row_steps_follow_weights_changed_in_place(params):
-    """A batch-1 compiled decoding step runs on packed kernels; after a weight changes in place (a
-    training step, `load_state_dict`) the next `generate` packs them again and gives the eager tokens."""
     from transformers import CompileConfig
 
     model = make_model(params)
@@ -276,8 +254,6 @@ def test_compiled_one_row_steps_follow_weights_changed_in_place(params):
     with torch.no_grad():
         before = model.generate(ids, **options)
         assert torch.equal(before, model.generate(ids, **eager_options))
-        packed = model._compiled_call.current_kernels()
-        assert all(k is not None for k in packed)
         logits_before = model(ids).logits
         generator = torch.Generator().manual_seed(1)
         for layer in model.model.layers:
@@ -286,12 +262,15 @@ def test_compiled_one_row_steps_follow_weights_changed_in_place(params):
         after = model.generate(ids, **options)
         assert torch.equal(after, model.generate(ids, **eager_options))
         assert (model(ids).logits - logits_before).abs().max().item() > 1e-2  # the change matters
-        repacked = model._compiled_call.current_kernels()
-    for layer, new, old in zip(model.model.layers, repacked, packed):
-        attention = layer.self_attn
-        assert new is not old
-        assert torch.equal(new.qkvg[:, : model.config.attention_dim], attention.q_proj.weight.t())
-        assert torch.equal(new.o, attention.o_proj.weight.t())
+        programs = len(model._compiled_call.programs)
+
+        adapted = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"], init_lora_weights=False))
+        logits_plain = model(ids).logits
+        with adapted.disable_adapter():
+            assert (model(ids).logits - logits_plain).abs().max().item() > 1e-3  # the adapter matters
+        assert torch.equal(model.generate(ids, **options), model.generate(ids, **eager_options))
+    # The adapted layers' parameter tables are new program keys: one with an engram site, one without.
+    assert len(model._compiled_call.programs) == programs + 2
 
 
 class Prefill(torch.nn.Module):
