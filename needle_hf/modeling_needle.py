@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import copy
 import math
+import operator
 import os
 import warnings
 from dataclasses import dataclass
@@ -668,15 +669,8 @@ def engram_window_memory(
 
 
 def tied_logits(hidden: torch.Tensor, embedding_weight: torch.Tensor) -> torch.Tensor:
-    """Float32 ``hidden @ E.T``: [..., d] -> [..., V] (the output head is the token embedding).
-
-    One row (a batch-1 decoding step) is a matrix-vector product over E's rows: on the CPU it reads
-    the 16 MB table about twice as fast as the one-row matrix product (single-thread MKL).
-    """
-    hidden, weight = hidden.float(), embedding_weight.float()
-    if hidden.numel() == hidden.shape[-1] and not torch.is_grad_enabled():
-        return torch.mv(weight, hidden.reshape(-1)).reshape(*hidden.shape[:-1], -1)
-    return hidden @ weight.T
+    """Float32 ``hidden @ E.T``: [..., d] -> [..., V] (the output head is the token embedding)."""
+    return hidden.float() @ embedding_weight.float().T
 
 
 class NeedleMultiTokenPrediction(nn.Module):
@@ -939,10 +933,12 @@ class NeedleCompiledParts:
     layers: one callable per decoder layer, taking the layer's arguments (`_CompiledDecoderLayer`).
     engram_memory: ``torch.compile`` of `NeedleModel.engram_memory` (hashes, table rows, projections
     and convolutions of every engram site as one graph instead of ~150 eager ops).
+    output_head: hidden [B, S, d] -> float32 logits [B, S, V], as `NeedleForCausalLM.tied_logits`.
     """
 
     layers: tuple
     engram_memory: Callable
+    output_head: Callable
 
 
 class _StaticKeysInPlace(CacheLayerMixin):
@@ -980,29 +976,28 @@ def _static_write_positions(layer: StaticLayer, length: int, cache_position: tor
 class _DecoderLayerStep(nn.Module):
     """A decoder layer's decoding step over a static cache as a function of tensors alone:
     ``(lanes, attention_mask, cos, sin, positions, walsh_a, walsh_b, pre_offset, post_offset, keys,
-    values, [engram_key, engram_value], *parameters) -> lanes``, the keys and values written in place.
+    values, engram_key, engram_value, *parameters) -> lanes``, the keys and values written in place.
 
     The layer's parameters are inputs (named ``parameter_names``), so the program traced from one
-    layer serves every layer of the same structure. ``attention_implementation``: see `NeedleStepInputs`.
+    layer serves every layer of the same structure. A layer without an engram site gets zeros as its
+    engram key and value, whose gated sum adds exactly 0 to its input: one program serves it too.
+    ``attention_implementation``: see `NeedleStepInputs`.
     """
 
-    def __init__(self, layer: "NeedleDecoderLayer", parameter_names: tuple, *, with_engram: bool,
-                 attention_implementation: Optional[str]):
+    def __init__(self, layer: "NeedleDecoderLayer", parameter_names: tuple, *, attention_implementation: Optional[str]):
         super().__init__()
         self.parameter_names = parameter_names
-        self.with_engram = with_engram
         self.attention_implementation = attention_implementation
         self._layer = (layer,)  # not a submodule: the traced program takes its parameters as inputs
 
     def forward(self, lanes, attention_mask, cos, sin, positions, walsh_a, walsh_b, pre_offset, post_offset, keys,
-                values, *rest):
-        engram = rest[:2] if self.with_engram else (None, None)
-        parameters = dict(zip(self.parameter_names, rest[2:] if self.with_engram else rest))
+                values, engram_key, engram_value, *parameters):
+        parameters = dict(zip(self.parameter_names, parameters))
         step = NeedleStepInputs(key_visible=None, attention_mask=attention_mask, cos=cos, sin=sin,
                                 cache_position=positions, walsh=(walsh_a, walsh_b), pre_offsets=None, post_offsets=None,
                                 attention_implementation=self.attention_implementation)
         options = dict(cache=_StaticKeysInPlace(keys, values, positions), lane_offsets=(pre_offset, post_offset))
-        return torch.func.functional_call(self._layer[0], parameters, (lanes, *engram, step), options)[0]
+        return torch.func.functional_call(self._layer[0], parameters, (lanes, engram_key, engram_value, step), options)[0]
 
 
 @dataclass(frozen=True)
@@ -1013,27 +1008,31 @@ class _LayerBinding:
     names: tuple
     parameters: tuple
     signature: tuple  # (name, shape, dtype) of every parameter: part of a program's key
-    slots: tuple  # (module, attribute) of every parameter
-    children: tuple  # (parent, attribute, child) of every submodule
+    # Every submodule and parameter as (the dict that holds it, its key, the object), three tuples.
+    holders: tuple
+    attributes: tuple
+    members: tuple
 
     @classmethod
     def of(cls, layer: "NeedleDecoderLayer") -> "_LayerBinding":
         named = list(layer.named_parameters())
         modules = dict(layer.named_modules())
+        slots = [(modules[name.rpartition(".")[0]]._parameters, name.rpartition(".")[2], p) for name, p in named]
+        slots += [(parent._modules, attribute, child) for parent in modules.values()
+                  for attribute, child in parent._modules.items()]
+        holders, attributes, members = zip(*slots)
         return cls(
             names=tuple(name for name, _ in named),
             parameters=tuple(p for _, p in named),
             signature=tuple((name, tuple(p.shape), p.dtype) for name, p in named),
-            slots=tuple((modules[name.rpartition(".")[0]], name.rpartition(".")[2]) for name, _ in named),
-            children=tuple((parent, attribute, child) for parent in modules.values()
-                           for attribute, child in parent._modules.items()),
+            holders=holders,
+            attributes=attributes,
+            members=members,
         )
 
     def current(self) -> bool:
-        """Whether the layer still holds these modules and parameters."""
-        return all(parent._modules.get(attribute) is child for parent, attribute, child in self.children) and all(
-            module._parameters.get(attribute) is p for (module, attribute), p in zip(self.slots, self.parameters)
-        )
+        """Whether the layer still holds these modules and parameters (checked every step, so in C loops)."""
+        return all(map(operator.is_, map(dict.get, self.holders, self.attributes), self.members))
 
 
 class _CompiledDecoderLayer:
@@ -1051,16 +1050,17 @@ class _CompiledDecoderLayer:
 
 # Inductor settings of the decoding-step programs (the caller's ``options`` win): one-row products
 # become reductions inductor generates and fuses, reading each weight row once (~1.5x the speed of
-# the extern one-row matmul at the Needle 2 size, one thread).
-DECODING_STEP_INDUCTOR_OPTIONS = {"post_grad_fusion_options": {"decompose_mm_pass": {}}}
+# the extern one-row matmul at the Needle 2 size, one thread); the program's wrapper is C++ (its
+# ~100 buffer allocations and kernel calls a layer cost ~0.1 ms in Python).
+DECODING_STEP_INDUCTOR_OPTIONS = {"post_grad_fusion_options": {"decompose_mm_pass": {}}, "cpp_wrapper": True}
 
 
 class _LayerCompiledCall:
     """The model's ``__call__`` for decoding steps over a static cache, its decoder layers and engram
     memory compiled, handed to the forward as ``compiled_parts``.
 
-    Each decoder layer's step is traced once per variant (with or without an engram site, input shapes,
-    parameter table, numerics settings: the program's key) by `torch.export` into a program of tensors
+    Each decoder layer's step is traced once per variant (input shapes, parameter table, numerics
+    settings: the program's key) by `torch.export` into a program of tensors
     alone, the layer's parameters among them (`_DecoderLayerStep`), and compiled by inductor straight
     from that graph (``torch._inductor.compile``, `DECODING_STEP_INDUCTOR_OPTIONS`). Every layer then
     calls the same program on its own tensors with no guard evaluation: dynamo's per-call guards and
@@ -1081,6 +1081,8 @@ class _LayerCompiledCall:
         self._bindings = ()
         self._keyed_step = None
         self._step_key_value = None
+        self._zero_engram = None
+        self._head = self._head_made_from = None
 
     def bindings(self) -> tuple:
         """Each decoder layer's `_LayerBinding`, made again for a layer whose modules changed."""
@@ -1094,8 +1096,11 @@ class _LayerCompiledCall:
         return self._bindings
 
     def _compiled_program(self, program: _DecoderLayerStep, inputs: list) -> Callable:
-        exported = torch.export.export(program, tuple(inputs), strict=False)
-        graph = exported.module()
+        graph = torch.export.export(program, tuple(inputs), strict=False).module()
+        # Flat positional inputs: without the pytree code generation, a call does not flatten its ~40
+        # arguments through pytree (tens of microseconds a layer).
+        graph.graph._codegen = torch.fx.graph.CodeGen()
+        graph.recompile()
         backend = self.options.get("backend", "inductor")
         if backend != "inductor":
             return torch.compile(graph, backend=backend, fullgraph=True, dynamic=False)
@@ -1118,6 +1123,14 @@ class _LayerCompiledCall:
             )
         return self._step_key_value
 
+    def _zeros(self, lanes: torch.Tensor) -> torch.Tensor:
+        """Zeros [B, S, d] in the dtype of ``lanes`` [B, S, L, d]: the engram key and value of a layer without a site."""
+        batch, length, _, width = lanes.shape
+        zeros = self._zero_engram
+        if zeros is None or zeros.shape != (batch, length, width) or zeros.dtype != lanes.dtype or zeros.device != lanes.device:
+            zeros = self._zero_engram = lanes.new_zeros(batch, length, width)
+        return zeros
+
     def run_layer(self, index, lanes, engram_key, engram_value, step, cache, *, lane_offsets, output_attentions):
         layer = self.model.model.layers[index]
         traceable = (
@@ -1131,25 +1144,36 @@ class _LayerCompiledCall:
             return layer(lanes, engram_key, engram_value, step, cache=cache, lane_offsets=lane_offsets,
                          output_attentions=output_attentions)
         binding = self._bindings[index]
-        with_engram = engram_key is not None
-        key = (binding.signature, with_engram, lanes.shape, lanes.dtype, cache.keys.shape, cache.keys.dtype,
-               self._step_key(step))
+        key = (binding.signature, lanes.shape, lanes.dtype, cache.keys.shape, cache.keys.dtype, self._step_key(step))
+        if engram_key is None:
+            engram_key = engram_value = self._zeros(lanes)
         positions = _static_write_positions(cache, lanes.shape[1], step.cache_position)
         inputs = [lanes, step.attention_mask, step.cos, step.sin, positions, *step.walsh, *lane_offsets,
-                  cache.keys, cache.values, *((engram_key, engram_value) if with_engram else ()), *binding.parameters]
+                  cache.keys, cache.values, engram_key, engram_value, *binding.parameters]
         program = self.programs.get(key)
         if program is None:
             # sdpa and eager are the same products; one query row over a few hundred keys runs fastest
             # as eager's grouped matrix products (sdpa's CPU kernel expands the keys to every head).
             implementation = "eager" if self.model.config._attn_implementation in ("eager", "sdpa") else None
-            traced = _DecoderLayerStep(layer, binding.names, with_engram=with_engram,
-                                       attention_implementation=implementation)
+            traced = _DecoderLayerStep(layer, binding.names, attention_implementation=implementation)
             program = self.programs[key] = self._compiled_program(traced, inputs)
-        return program(*inputs), None
+        (lanes,) = program(*inputs)  # flat outputs
+        return lanes, None
+
+    def output_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """`NeedleForCausalLM.tied_logits` over a transposed copy of the tied embedding [d, V], made again
+        when the embedding changes: a one-row product reads it ~2x faster than the [V, d] table."""
+        weight = self.model.lm_head.weight
+        made_from = self._head_made_from
+        if made_from is None or made_from[0] is not weight or made_from[1] != weight._version:
+            self._head = weight.detach().float().t().contiguous()
+            self._head_made_from = (weight, weight._version)
+        return quantize_activations(hidden, self.model.config).float() @ self._head  # deploy numerics hook
 
     def __call__(self, **inputs):
         self.bindings()
-        parts = NeedleCompiledParts(layers=self.layers, engram_memory=self.engram_memory)
+        parts = NeedleCompiledParts(layers=self.layers, engram_memory=self.engram_memory,
+                                    output_head=self.output_head)
         return self.model(**inputs, compiled_parts=parts)
 
 
@@ -1714,7 +1738,7 @@ class NeedleForCausalLM(NeedlePreTrainedModel, GenerationMixin):
         )
         hidden = outputs.last_hidden_state
         keep = _positions_to_keep(logits_to_keep)
-        logits = self.tied_logits(hidden[:, keep])
+        logits = self.tied_logits(hidden[:, keep]) if compiled_parts is None else compiled_parts.output_head(hidden[:, keep])
 
         mtp_logits = None
         if return_mtp_logits:
