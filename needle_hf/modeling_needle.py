@@ -1049,9 +1049,9 @@ class _CompiledDecoderLayer:
 
 
 # Inductor settings of the decoding-step programs (the caller's ``options`` win): one-row products
-# become reductions inductor generates and fuses, reading each weight row once (~1.5x the speed of
-# the extern one-row matmul at the Needle 2 size, one thread); the program's wrapper is C++ (its
-# ~100 buffer allocations and kernel calls a layer cost ~0.1 ms in Python).
+# become reductions inductor generates and fuses, reading each weight row once (one thread, a
+# 512 -> 1536 projection: 0.16 ms against 0.38 ms through `F.linear`); the program's wrapper is C++
+# (its ~100 buffer allocations and kernel calls a layer cost ~0.1 ms in Python).
 DECODING_STEP_INDUCTOR_OPTIONS = {"post_grad_fusion_options": {"decompose_mm_pass": {}}, "cpp_wrapper": True}
 
 
