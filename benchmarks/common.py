@@ -82,10 +82,17 @@ def copy_bandwidth_bytes_per_second(size_bytes: int = 512 * 2**20, repeats: int 
 
 
 def run_worker(script: str, args: list[str], timeout: int = 3600) -> dict:
-    """Run `python script args...` in a fresh process (own compile caches and peak RSS); parse its JSON line."""
-    done = subprocess.run(
-        [sys.executable, script, *args], capture_output=True, text=True, timeout=timeout, cwd=REPO
-    )
+    """Run `python script args...` in a fresh process (own compile caches and peak RSS); parse its JSON line.
+
+    Inductor's on-disk cache is an empty folder of the worker's own, so a first call is a cold compile.
+    """
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as inductor_cache:
+        done = subprocess.run(
+            [sys.executable, script, *args], capture_output=True, text=True, timeout=timeout, cwd=REPO,
+            env=dict(os.environ, TORCHINDUCTOR_CACHE_DIR=inductor_cache),
+        )
     if done.returncode != 0:
         raise RuntimeError(f"{os.path.basename(script)} {' '.join(args)} failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
