@@ -212,9 +212,14 @@ def _linear_space_sinkhorn(shifted: torch.Tensor, iterations: int, floor: float 
     return k
 
 
-def walsh_transform(z: torch.Tensor, walsh: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """``z @ walsh_matrix(n)`` over the last axis, as two small products over its Kronecker factors
-    ``walsh`` = (W_a [a, a], W_b [b, b]) (`numerics.walsh_factor_sizes`)."""
+def walsh_transform(z: torch.Tensor, walsh: Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """``z @ walsh_matrix(n)`` over the last axis. ``walsh``: the [n, n] matrix, or its Kronecker factors
+    (W_a [a, a], W_b [b, b]) (`numerics.walsh_factor_sizes`) for two small products instead of one read
+    of the 1 MB matrix (a compiled decoding step's). The eager forward keeps the matrix, the reference's
+    product: its deploy-numerics forward rounds to 4-bit KV levels, where the two orders of summation
+    can land on different levels."""
+    if isinstance(walsh, torch.Tensor):
+        return z @ walsh
     walsh_a, walsh_b = walsh
     a, b = walsh_a.shape[0], walsh_b.shape[0]
     z = z.reshape(*z.shape[:-1], a, b) @ walsh_b  # [..., a, b]
@@ -320,8 +325,7 @@ class NeedleStepInputs:
         for flex attention the same mask as a `BlockMask`.
     cos, sin: [B, 1, S, head_dim] float32 RoPE tables of the new positions (both halves the same).
     cache_position: [S] positions of the new tokens in the cache (where their keys are written).
-    walsh: (W_a [a, a], W_b [b, b]), the Kronecker factors of the [n, n] Walsh-Hadamard matrix
-        (compute dtype; `walsh_transform`).
+    walsh: [n, n] Walsh-Hadamard matrix (compute dtype), or its Kronecker factors (`walsh_transform`).
     pre_offsets, post_offsets: [layers, L] float32 lane-ownership offsets of the hyper-connection
         logits (`numerics.hyper_connection_offsets`).
     attention_implementation: the attention function to use instead of the config's (a compiled
@@ -333,7 +337,7 @@ class NeedleStepInputs:
     cos: torch.Tensor
     sin: torch.Tensor
     cache_position: torch.Tensor
-    walsh: tuple[torch.Tensor, torch.Tensor]
+    walsh: Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
     pre_offsets: torch.Tensor
     post_offsets: torch.Tensor
     attention_implementation: Optional[str] = None
@@ -452,8 +456,8 @@ class NeedleHadamardMLP(nn.Module):
         self.diag_hidden = nn.Parameter(torch.ones(n))
         self.diag_out = nn.Parameter(torch.full((n,), HADAMARD_DIAG_OUT_INIT))
 
-    def forward(self, x: torch.Tensor, walsh: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """x: [B, S, d], walsh: the Walsh matrix's Kronecker factors (`walsh_transform`) -> [B, S, d]."""
+    def forward(self, x: torch.Tensor, walsh: Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """x: [B, S, d], walsh: the Walsh matrix or its Kronecker factors (`walsh_transform`) -> [B, S, d]."""
         padding = self.diag_in.shape[0] - self.hidden_size
         z = F.pad(x, (0, padding)) if padding else x  # [B, S, n]
         z = walsh_transform(self.diag_in * z, walsh)
@@ -959,7 +963,8 @@ class _StaticKeysInPlace(CacheLayerMixin):
     def lazy_initialization(self, *args):
         raise TypeError("a decoding step's cache view holds allocated keys only")
 
-    get_mask_sizes = get_seq_length = get_max_cache_shape = lazy_initialization
+    # The rest of the layer interface (named differently in transformers 4.57 and 5.x) is not used there.
+    get_mask_sizes = get_seq_length = get_max_cache_shape = get_max_length = lazy_initialization
 
 
 def _static_write_positions(layer: StaticLayer, length: int, cache_position: torch.Tensor) -> torch.Tensor:
@@ -1082,6 +1087,7 @@ class _LayerCompiledCall:
         self._keyed_step = None
         self._step_key_value = None
         self._zero_engram = None
+        self._walsh_factors = ()
         self._head = self._head_made_from = None
 
     def bindings(self) -> tuple:
@@ -1112,10 +1118,14 @@ class _LayerCompiledCall:
         return inductor_compile(graph, inputs, options=settings)
 
     def _step_key(self, step: NeedleStepInputs) -> tuple:
-        """What a program's key takes from the step's shared tensors and the numerics settings (once per step)."""
+        """What a program's key takes from the step's shared tensors and the numerics settings, and the
+        Walsh matrix's Kronecker factors the programs read instead of it (once per step)."""
         if self._keyed_step is not step:
             config = self.model.config
-            tensors = (step.attention_mask, step.cos, step.sin, step.cache_position, *step.walsh)
+            tensors = (step.attention_mask, step.cos, step.sin, step.cache_position, step.walsh)
+            backbone = self.model.model
+            self._walsh_factors = tuple(backbone.constant(name, step.walsh.device, step.walsh.dtype)
+                                        for name in ("walsh_a", "walsh_b"))
             self._keyed_step = step
             self._step_key_value = (
                 tuple((tuple(t.shape), t.dtype) for t in tensors),
@@ -1148,7 +1158,7 @@ class _LayerCompiledCall:
         if engram_key is None:
             engram_key = engram_value = self._zeros(lanes)
         positions = _static_write_positions(cache, lanes.shape[1], step.cache_position)
-        inputs = [lanes, step.attention_mask, step.cos, step.sin, positions, *step.walsh, *lane_offsets,
+        inputs = [lanes, step.attention_mask, step.cos, step.sin, positions, *self._walsh_factors, *lane_offsets,
                   cache.keys, cache.values, engram_key, engram_value, *binding.parameters]
         program = self.programs.get(key)
         if program is None:
@@ -1389,13 +1399,15 @@ class NeedleModel(NeedlePreTrainedModel):
 
     def constant(self, name: str, device, dtype) -> torch.Tensor:
         """A constant table of the architecture on ``device`` in ``dtype``, built once per placement:
-        ``walsh_a`` [a, a] and ``walsh_b`` [b, b] (the Kronecker factors of the MLPs' orthonormal
-        Walsh-Hadamard matrix, `numerics.walsh_factor_sizes`), ``rope_inverse_frequencies``
+        ``walsh`` [n, n] (the MLPs' orthonormal Walsh-Hadamard matrix), ``walsh_a`` [a, a] and ``walsh_b``
+        [b, b] (its Kronecker factors, `numerics.walsh_factor_sizes`), ``rope_inverse_frequencies``
         [head_dim // 2], ``pre_offsets`` / ``post_offsets`` [layers, L] (hyper-connection lane ownership)."""
         placement = (name, str(device), dtype)
         if placement not in self._constant_copies:
             config = self.config
-            if name in ("walsh_a", "walsh_b"):
+            if name == "walsh":
+                table = walsh_matrix(config.hadamard_size)
+            elif name in ("walsh_a", "walsh_b"):
                 table = walsh_matrix(walsh_factor_sizes(config.hadamard_size)[name == "walsh_b"])
             elif name == "rope_inverse_frequencies":
                 table = rope_inverse_frequencies(config.head_dim, config.rope_theta)
@@ -1455,7 +1467,7 @@ class NeedleModel(NeedlePreTrainedModel):
             cos=cos[:, None],
             sin=sin[:, None],
             cache_position=cache_position,
-            walsh=(self.constant("walsh_a", device, dtype), self.constant("walsh_b", device, dtype)),
+            walsh=self.constant("walsh", device, dtype),
             pre_offsets=self.constant("pre_offsets", device, torch.float32),
             post_offsets=self.constant("post_offsets", device, torch.float32),
         )

@@ -99,6 +99,7 @@ def test_walsh_transform(width):
     want = numpy_ops.walsh_transform(z)
     _close(flax_ops.walsh_transform(jnp.asarray(z)), want, tol=1e-5)
     _close(torch_ops.walsh_transform(torch.from_numpy(z), _torch_walsh_factors(width)), want, tol=1e-5)
+    _close(torch_ops.walsh_transform(torch.from_numpy(z), torch.from_numpy(walsh_matrix(width))), want, tol=1e-5)
 
 
 def test_hadamard_mlp():
@@ -117,6 +118,7 @@ def test_hadamard_mlp():
     with torch.no_grad():
         for name, key in (("diag_in", "d1"), ("diag_hidden", "d2"), ("diag_out", "d3")):
             getattr(mlp, name).copy_(torch.from_numpy(diags[key]))
+        _close(mlp(torch.from_numpy(x), torch.from_numpy(walsh_matrix(n))), want, tol=1e-5)
         _close(mlp(torch.from_numpy(x), _torch_walsh_factors(n)), want, tol=1e-5)
 
 

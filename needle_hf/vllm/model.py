@@ -60,7 +60,7 @@ from ..modeling_needle import (
     rotary_tables,
     tied_logits,
 )
-from ..numerics import TIED_WEIGHTS, hyper_connection_offsets, rope_inverse_frequencies, walsh_factor_sizes, walsh_matrix
+from ..numerics import TIED_WEIGHTS, hyper_connection_offsets, rope_inverse_frequencies, walsh_matrix
 
 # Tensors of the optional heads: vLLM serves next-token logits only.
 UNSERVED_PREFIXES = ("mtp.", "contrastive_head.", "confidence_head.")
@@ -283,16 +283,14 @@ class NeedleVllmModel(nn.Module):
         self.attention_layer_name = f"{prefix}.layers.0.self_attn.attn"
         self.token_store = NeedleSlotTokenStore(vllm_config.cache_config.block_size)
         pre_offsets, post_offsets = hyper_connection_offsets(config.num_hidden_layers, config.hyper_connection_lanes)
-        walsh_a, walsh_b = walsh_factor_sizes(config.hadamard_size)
         constants = {
-            "walsh_a": torch.from_numpy(walsh_matrix(walsh_a)),
-            "walsh_b": torch.from_numpy(walsh_matrix(walsh_b)),
+            "walsh": torch.from_numpy(walsh_matrix(config.hadamard_size)),
             "rope_inverse_frequencies": torch.from_numpy(rope_inverse_frequencies(config.head_dim, config.rope_theta)),
             "pre_offsets": torch.from_numpy(pre_offsets),
             "post_offsets": torch.from_numpy(post_offsets),
         }
         for name, table in constants.items():
-            dtype = torch.get_default_dtype() if name.startswith("walsh") else torch.float32  # walsh: the compute dtype
+            dtype = torch.get_default_dtype() if name == "walsh" else torch.float32  # walsh: the compute dtype
             self.register_buffer(name, table.to(dtype), persistent=False)
 
     # ----------------------------------------------------------------------------------------------
@@ -310,11 +308,11 @@ class NeedleVllmModel(nn.Module):
         return None
 
     def step_inputs(self, positions: torch.Tensor) -> NeedleStepInputs:
-        """RoPE tables of the flat batch's positions, the Walsh matrix's factors and the lane offsets. Masks and
+        """RoPE tables of the flat batch's positions, the Walsh matrix and the lane offsets. Masks and
         cache positions are vLLM's (its attention metadata), so those fields stay empty."""
         cos, sin = rotary_tables(positions, self.rope_inverse_frequencies)  # [N, hd] each
         return NeedleStepInputs(key_visible=None, attention_mask=None, cos=cos[None, None], sin=sin[None, None],
-                                cache_position=None, walsh=(self.walsh_a, self.walsh_b), pre_offsets=self.pre_offsets,
+                                cache_position=None, walsh=self.walsh, pre_offsets=self.pre_offsets,
                                 post_offsets=self.post_offsets)
 
     def engram_memory(
