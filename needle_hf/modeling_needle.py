@@ -1065,9 +1065,8 @@ class _LayerCompiledCall:
     memory compiled, handed to the forward as ``compiled_parts``.
 
     Each decoder layer's step is traced once per variant (input shapes, parameter table, numerics
-    settings: the program's key) by `torch.export` into a program of tensors
-    alone, the layer's parameters among them (`_DecoderLayerStep`), and compiled by inductor straight
-    from that graph (``torch._inductor.compile``, `DECODING_STEP_INDUCTOR_OPTIONS`). Every layer then
+    settings: the program's key) by `torch.export` into a program of tensors alone, the layer's
+    parameters among them (`_DecoderLayerStep`), and compiled by inductor straight from that graph (``torch._inductor.compile``, `DECODING_STEP_INDUCTOR_OPTIONS`). Every layer then
     calls the same program on its own tensors with no guard evaluation: dynamo's per-call guards and
     wrappers cost more than a layer's kernels in a one-row step. Another ``backend`` than inductor
     compiles the traced program with ``torch.compile``. The engram memory is ``torch.compile`` of
