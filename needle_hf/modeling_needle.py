@@ -214,10 +214,8 @@ def _linear_space_sinkhorn(shifted: torch.Tensor, iterations: int, floor: float 
 
 def walsh_transform(z: torch.Tensor, walsh: Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     """``z @ walsh_matrix(n)`` over the last axis. ``walsh``: the [n, n] matrix, or its Kronecker factors
-    (W_a [a, a], W_b [b, b]) (`numerics.walsh_factor_sizes`) for two small products instead of one read
-    of the 1 MB matrix (a compiled decoding step's). The eager forward keeps the matrix, the reference's
-    product: its deploy-numerics forward rounds to 4-bit KV levels, where the two orders of summation
-    can land on different levels."""
+    (W_a [a, a], W_b [b, b]) (`numerics.walsh_factor_sizes`) for two small products instead of one
+    product with the matrix (`NeedleModel.walsh` picks which)."""
     if isinstance(walsh, torch.Tensor):
         return z @ walsh
     walsh_a, walsh_b = walsh
@@ -1121,9 +1119,9 @@ class _LayerCompiledCall:
         Walsh matrix's Kronecker factors the programs read instead of it (once per step)."""
         if self._keyed_step is not step:
             config = self.model.config
-            tensors = (step.attention_mask, step.cos, step.sin, step.cache_position, step.walsh)
+            tensors = (step.attention_mask, step.cos, step.sin, step.cache_position)
             backbone = self.model.model
-            self._walsh_factors = tuple(backbone.constant(name, step.walsh.device, step.walsh.dtype)
+            self._walsh_factors = tuple(backbone.constant(name, step.cos.device, step.attention_mask.dtype)
                                         for name in ("walsh_a", "walsh_b"))
             self._keyed_step = step
             self._step_key_value = (
@@ -1466,10 +1464,18 @@ class NeedleModel(NeedlePreTrainedModel):
             cos=cos[:, None],
             sin=sin[:, None],
             cache_position=cache_position,
-            walsh=self.constant("walsh", device, dtype),
+            walsh=self.walsh(device, dtype),
             pre_offsets=self.constant("pre_offsets", device, torch.float32),
             post_offsets=self.constant("post_offsets", device, torch.float32),
         )
+
+    def walsh(self, device: torch.device, dtype: torch.dtype) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """What the MLPs' `walsh_transform` reads: the Kronecker factors (two small products, ~10x
+        fewer multiply-adds than the [n, n] matrix), or with deploy numerics the matrix, whose order of
+        summation the reference's 4-bit KV levels were rounded from."""
+        if self.config.deploy_numerics:
+            return self.constant("walsh", device, dtype)
+        return self.constant("walsh_a", device, dtype), self.constant("walsh_b", device, dtype)
 
     def engram_memory(
         self, input_ids: torch.Tensor, step: NeedleStepInputs, cache: Optional[Cache]
