@@ -50,6 +50,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
@@ -222,6 +223,34 @@ def walsh_transform(z: torch.Tensor, walsh: Union[torch.Tensor, tuple[torch.Tens
     a, b = walsh_a.shape[0], walsh_b.shape[0]
     z = z.reshape(*z.shape[:-1], a, b) @ walsh_b  # [..., a, b]
     return (walsh_a @ z).reshape(*z.shape[:-2], a * b)  # W_a is symmetric: W_a^T Z = W_a Z
+
+
+def architecture_constant(name: str, config: NeedleConfig) -> np.ndarray:
+    """A constant table of the architecture: ``walsh`` [n, n] (the MLPs' orthonormal Walsh-Hadamard
+    matrix), ``walsh_a`` [a, a] and ``walsh_b`` [b, b] (its Kronecker factors,
+    `numerics.walsh_factor_sizes`), ``rope_inverse_frequencies`` [head_dim // 2], ``pre_offsets`` /
+    ``post_offsets`` [layers, L] (hyper-connection lane ownership)."""
+    if name == "walsh":
+        return walsh_matrix(config.hadamard_size)
+    if name in ("walsh_a", "walsh_b"):
+        return walsh_matrix(walsh_factor_sizes(config.hadamard_size)[name == "walsh_b"])
+    if name == "rope_inverse_frequencies":
+        return rope_inverse_frequencies(config.head_dim, config.rope_theta)
+    if name in ("pre_offsets", "post_offsets"):
+        offsets = hyper_connection_offsets(config.num_hidden_layers, config.hyper_connection_lanes)
+        return offsets[0] if name == "pre_offsets" else offsets[1]
+    raise KeyError(f"no constant table named {name!r}")
+
+
+def walsh_operand(
+    config: NeedleConfig, table: Callable[[str], torch.Tensor]
+) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """What the MLPs' `walsh_transform` reads, from ``table(name)`` (an `architecture_constant`): the
+    Kronecker factors (two small products, ~10x fewer multiply-adds than the [n, n] matrix), or with
+    deploy numerics the matrix, whose order of summation the reference's 4-bit KV levels were rounded from."""
+    if config.deploy_numerics:
+        return table("walsh")
+    return table("walsh_a"), table("walsh_b")
 
 
 def lane_mean(lanes: torch.Tensor) -> torch.Tensor:
@@ -1395,24 +1424,10 @@ class NeedleModel(NeedlePreTrainedModel):
         self.embed_tokens = value
 
     def constant(self, name: str, device, dtype) -> torch.Tensor:
-        """A constant table of the architecture on ``device`` in ``dtype``, built once per placement:
-        ``walsh`` [n, n] (the MLPs' orthonormal Walsh-Hadamard matrix), ``walsh_a`` [a, a] and ``walsh_b``
-        [b, b] (its Kronecker factors, `numerics.walsh_factor_sizes`), ``rope_inverse_frequencies``
-        [head_dim // 2], ``pre_offsets`` / ``post_offsets`` [layers, L] (hyper-connection lane ownership)."""
+        """`architecture_constant` ``name`` on ``device`` in ``dtype``, built once per placement."""
         placement = (name, str(device), dtype)
         if placement not in self._constant_copies:
-            config = self.config
-            if name == "walsh":
-                table = walsh_matrix(config.hadamard_size)
-            elif name in ("walsh_a", "walsh_b"):
-                table = walsh_matrix(walsh_factor_sizes(config.hadamard_size)[name == "walsh_b"])
-            elif name == "rope_inverse_frequencies":
-                table = rope_inverse_frequencies(config.head_dim, config.rope_theta)
-            elif name in ("pre_offsets", "post_offsets"):
-                offsets = hyper_connection_offsets(config.num_hidden_layers, config.hyper_connection_lanes)
-                table = offsets[0] if name == "pre_offsets" else offsets[1]
-            else:
-                raise KeyError(f"no constant table named {name!r}")
+            table = architecture_constant(name, self.config)
             self._constant_copies[placement] = torch.from_numpy(table).to(device=device, dtype=dtype)
         return self._constant_copies[placement]
 
@@ -1470,12 +1485,8 @@ class NeedleModel(NeedlePreTrainedModel):
         )
 
     def walsh(self, device: torch.device, dtype: torch.dtype) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        """What the MLPs' `walsh_transform` reads: the Kronecker factors (two small products, ~10x
-        fewer multiply-adds than the [n, n] matrix), or with deploy numerics the matrix, whose order of
-        summation the reference's 4-bit KV levels were rounded from."""
-        if self.config.deploy_numerics:
-            return self.constant("walsh", device, dtype)
-        return self.constant("walsh_a", device, dtype), self.constant("walsh_b", device, dtype)
+        """What the MLPs' `walsh_transform` reads (`walsh_operand`), on ``device`` in ``dtype``."""
+        return walsh_operand(self.config, lambda name: self.constant(name, device, dtype))
 
     def engram_memory(
         self, input_ids: torch.Tensor, step: NeedleStepInputs, cache: Optional[Cache]

@@ -55,12 +55,14 @@ from ..modeling_needle import (
     NeedleStepInputs,
     NeedleWeightsError,
     apply_rotary,
+    architecture_constant,
     engram_window_memory,
     lane_mean,
     rotary_tables,
     tied_logits,
+    walsh_operand,
 )
-from ..numerics import TIED_WEIGHTS, hyper_connection_offsets, rope_inverse_frequencies, walsh_matrix
+from ..numerics import TIED_WEIGHTS
 
 # Tensors of the optional heads: vLLM serves next-token logits only.
 UNSERVED_PREFIXES = ("mtp.", "contrastive_head.", "confidence_head.")
@@ -282,16 +284,9 @@ class NeedleVllmModel(nn.Module):
         self.embed_scale = math.sqrt(config.hidden_size)
         self.attention_layer_name = f"{prefix}.layers.0.self_attn.attn"
         self.token_store = NeedleSlotTokenStore(vllm_config.cache_config.block_size)
-        pre_offsets, post_offsets = hyper_connection_offsets(config.num_hidden_layers, config.hyper_connection_lanes)
-        constants = {
-            "walsh": torch.from_numpy(walsh_matrix(config.hadamard_size)),
-            "rope_inverse_frequencies": torch.from_numpy(rope_inverse_frequencies(config.head_dim, config.rope_theta)),
-            "pre_offsets": torch.from_numpy(pre_offsets),
-            "post_offsets": torch.from_numpy(post_offsets),
-        }
-        for name, table in constants.items():
-            dtype = torch.get_default_dtype() if name == "walsh" else torch.float32  # walsh: the compute dtype
-            self.register_buffer(name, table.to(dtype), persistent=False)
+        for name in ("walsh", "walsh_a", "walsh_b", "rope_inverse_frequencies", "pre_offsets", "post_offsets"):
+            dtype = torch.get_default_dtype() if name.startswith("walsh") else torch.float32  # walsh: the compute dtype
+            self.register_buffer(name, torch.from_numpy(architecture_constant(name, config)).to(dtype), persistent=False)
 
     # ----------------------------------------------------------------------------------------------
     # Per-step inputs
@@ -308,12 +303,12 @@ class NeedleVllmModel(nn.Module):
         return None
 
     def step_inputs(self, positions: torch.Tensor) -> NeedleStepInputs:
-        """RoPE tables of the flat batch's positions, the Walsh matrix and the lane offsets. Masks and
-        cache positions are vLLM's (its attention metadata), so those fields stay empty."""
+        """RoPE tables of the flat batch's positions, what the Walsh transform reads (`walsh_operand`) and
+        the lane offsets. Masks and cache positions are vLLM's (its attention metadata), so those fields stay empty."""
         cos, sin = rotary_tables(positions, self.rope_inverse_frequencies)  # [N, hd] each
         return NeedleStepInputs(key_visible=None, attention_mask=None, cos=cos[None, None], sin=sin[None, None],
-                                cache_position=None, walsh=self.walsh, pre_offsets=self.pre_offsets,
-                                post_offsets=self.post_offsets)
+                                cache_position=None, walsh=walsh_operand(self.config, self.get_buffer),
+                                pre_offsets=self.pre_offsets, post_offsets=self.post_offsets)
 
     def engram_memory(
         self, input_ids: torch.Tensor, positions: torch.Tensor, lookback_token_ids: Optional[torch.Tensor]
