@@ -1070,6 +1070,44 @@ def _read_checked_weights(weights: str, config: NeedleConfig, *, prefix: str) ->
     return unflatten_dict(params)
 
 
+_FLOAT_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def auto_class_dtype_request(config_dtype) -> bool:
+    """Whether a config's `dtype` is a Flax Auto class's `dtype=` argument rather than the weight dtype
+    config.json records (a name, or the torch dtype 4.57 turns that name into)."""
+    return config_dtype is not None and not isinstance(config_dtype, str) and type(config_dtype).__module__ != "torch"
+
+
+def compute_dtype(dtype, *, config_dtype=None):
+    """The Flax compute dtype for `from_pretrained`, from every spelling users and the Auto classes use.
+
+    transformers 4.57's `FlaxAutoModel*.from_pretrained(path, dtype=jnp.bfloat16)` hands `dtype` to
+    `AutoConfig`, which keeps it as the config attribute `dtype`; the model class then sees it only
+    there (`config_dtype`), so a JAX/NumPy dtype found on the config is the caller's request.
+
+    Args:
+        dtype: None (float32, or the Auto classes' request), `"auto"` (the config's recorded weight
+            dtype, float32 if none), a JAX/NumPy dtype, or a name (`"bfloat16"`, `"torch.bfloat16"`).
+        config_dtype: the config's `dtype` attribute.
+
+    Returns:
+        The `jnp.dtype`; a dtype outside float32/bfloat16/float16 raises `ValueError`.
+    """
+    if dtype is None:
+        dtype = config_dtype if auto_class_dtype_request(config_dtype) else jnp.float32
+    elif isinstance(dtype, str) and dtype == "auto":
+        dtype = config_dtype or jnp.float32
+    name = str(dtype).removeprefix("torch.") if isinstance(dtype, str) or type(dtype).__module__ == "torch" else None
+    try:
+        resolved = jnp.dtype(name if name is not None else dtype)
+    except TypeError:
+        resolved = None
+    if resolved is None or resolved.name not in _FLOAT_DTYPES:
+        raise ValueError(f"dtype: expected one of {', '.join(_FLOAT_DTYPES)} (or \"auto\"), got {dtype!r}")
+    return resolved
+
+
 class FlaxNeedlePreTrainedModel(FlaxPreTrainedModel):
     """Weight init, cache init and the call interface shared by the Flax Needle models.
 
@@ -1175,7 +1213,7 @@ class FlaxNeedlePreTrainedModel(FlaxPreTrainedModel):
         pretrained_model_name_or_path,
         *,
         config: Optional[NeedleConfig] = None,
-        dtype: jnp.dtype = jnp.float32,
+        dtype=None,
         input_shape: tuple = (1, 1),
         seed: int = 0,
         _do_init: bool = True,
@@ -1204,7 +1242,10 @@ class FlaxNeedlePreTrainedModel(FlaxPreTrainedModel):
         `use_mtp_head=False` (and `use_contrastive_head` / `use_confidence_head` False).
 
         Args:
-            dtype: the compute dtype; parameters keep the dtype they are stored in.
+            dtype: the compute dtype (a JAX/NumPy float dtype or its name; `"auto"` = the dtype the
+                folder's config records, float32 if none); parameters keep the dtype they are stored
+                in. Default float32, or the dtype the Auto classes pass inside `config` (see
+                `compute_dtype`).
             _do_init: False returns `(model, params)` with the parameters outside the model, as
                 transformers' Flax models do.
             gradient_checkpointing: recompute layer activations in the backward pass.
@@ -1232,8 +1273,14 @@ class FlaxNeedlePreTrainedModel(FlaxPreTrainedModel):
             config, unused = NeedleConfig.from_pretrained(
                 pretrained_model_name_or_path, return_unused_kwargs=True, **hub_kwargs, **config_overrides
             )
-        else:
-            config = NeedleConfig.from_dict(config.to_dict())
+        dtype = compute_dtype(dtype, config_dtype=getattr(config, "dtype", None))
+        if config is not None:
+            config_dict = config.to_dict()
+            if auto_class_dtype_request(getattr(config, "dtype", None)):
+                # the Auto classes' `dtype=` (a JAX dtype, not a weight dtype name): taken above
+                config_dict.pop("dtype", None)
+                config_dict.pop("torch_dtype", None)
+            config = NeedleConfig.from_dict(config_dict)
             unused = {k: v for k, v in config_overrides.items() if not hasattr(config, k)}
             for key, value in config_overrides.items():
                 if key not in unused:
