@@ -1,6 +1,6 @@
 """Serving load: N concurrent OpenAI clients against `vllm serve` beside HF `pipeline` batches, same run.
 
-Workload: the demo checkpoint (scripts/demo/) and the demo tool-calling chats (the four queries of
+Workload: the demo checkpoint (needle_hf/demo/) and the demo tool-calling chats (the four queries of
 the pipeline suite, cycled), greedy, at most 48 new tokens each, float32 on the CPU.
 
 Rows:

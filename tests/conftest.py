@@ -32,28 +32,26 @@ def one_cpu_thread():
 
 @pytest.fixture(scope="session")
 def demo_tokenizer():
-    """The shipped demo tokenizer (scripts/demo/tokenizer.model, 800 pieces) as a fast tokenizer."""
+    """The shipped demo tokenizer (needle_hf/demo/tokenizer.model, 800 pieces) as a fast tokenizer."""
+    from needle_hf.demo import DEMO_DIR
     from needle_hf.tokenization_needle import build_fast_tokenizer
 
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    return build_fast_tokenizer(os.path.join(repo, "scripts", "demo", "tokenizer.model"))
+    return build_fast_tokenizer(str(DEMO_DIR / "tokenizer.model"))
 
 
 @pytest.fixture(scope="session")
 def demo_model():
-    """The shipped demo checkpoint (scripts/demo/needle2-demo.pkl, every head) as a float32 `NeedleForCausalLM`, eval mode."""
-    import pickle
-
+    """The shipped demo checkpoint (needle_hf/demo/needle2-demo.pkl, every head) as a float32 `NeedleForCausalLM`, eval mode."""
     import torch
 
     from needle_hf.configuration_needle import NeedleConfig
+    from needle_hf.conversion.native_checkpoint import load_native_checkpoint
+    from needle_hf.demo import DEMO_DIR
     from needle_hf.modeling_needle import NeedleForCausalLM
     from needle_hf.weight_names import native_to_hf, optional_heads_in_native
 
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    with open(os.path.join(repo, "scripts", "demo", "needle2-demo.pkl"), "rb") as handle:
-        checkpoint = pickle.load(handle)
-    config = NeedleConfig.from_needle_config(checkpoint["config"], **optional_heads_in_native(checkpoint["params"]))
+    checkpoint = load_native_checkpoint(DEMO_DIR / "needle2-demo.pkl")
+    config = NeedleConfig.from_needle_config(checkpoint.config, **optional_heads_in_native(checkpoint.params))
     model = NeedleForCausalLM(config)
-    model.load_state_dict({k: torch.from_numpy(v) for k, v in native_to_hf(checkpoint["params"], config).items()})
+    model.load_state_dict({k: torch.from_numpy(v) for k, v in native_to_hf(checkpoint.params, config).items()})
     return model.eval()

@@ -1,6 +1,6 @@
 """The PyTorch model behind `pipeline("text-generation")`, on the trained demo checkpoint.
 
-scripts/demo/needle2-demo.pkl is a small Needle 2 briefly trained (scripts/make_demo_checkpoint.py)
+needle_hf/demo/needle2-demo.pkl is a small Needle 2 briefly trained (scripts/make_demo_checkpoint.py)
 to answer tool-calling prompts with a tool call, so these tests can check what the pipeline
 returns, not only that it runs. The suite also runs under transformers 5 (`.venv-v5`), where
 `needle_hf.conversion` is not importable; the fixture then builds the same folder from the public
@@ -9,7 +9,6 @@ pieces (config, key map, safetensors, tokenizer builder).
 
 import json
 import os
-import pickle
 import subprocess
 import sys
 import textwrap
@@ -23,13 +22,15 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, 
 
 import needle_hf  # noqa: F401  (registers Needle with the Auto classes)
 from needle_hf.configuration_needle import NeedleConfig
+from needle_hf.conversion.native_checkpoint import load_native_checkpoint
+from needle_hf.demo import DEMO_DIR
 from needle_hf.tokenization_needle import build_fast_tokenizer, save_fast_tokenizer
 from needle_hf.tool_calls import parse_tool_calls
 from needle_hf.weight_names import native_to_hf, optional_heads_in_native
 
 REPO = Path(__file__).resolve().parent.parent
-DEMO_CHECKPOINT = REPO / "scripts" / "demo" / "needle2-demo.pkl"
-DEMO_TOKENIZER = REPO / "scripts" / "demo" / "tokenizer.model"
+DEMO_CHECKPOINT = DEMO_DIR / "needle2-demo.pkl"
+DEMO_TOKENIZER = DEMO_DIR / "tokenizer.model"
 MAJOR_VERSION = int(transformers.__version__.split(".")[0])
 # The other venv of this repository: the folder round trip crosses transformers 4 <-> 5.
 OTHER_PYTHON = REPO / (".venv-v5" if MAJOR_VERSION < 5 else ".venv") / "bin" / "python"
@@ -65,11 +66,10 @@ def _build_folder_without_converter(out_dir: Path):
     """The converter's output (config, generation config, weights, tokenizer) from its public parts."""
     from safetensors.numpy import save_file
 
-    with open(DEMO_CHECKPOINT, "rb") as handle:
-        checkpoint = pickle.load(handle)
-    config = NeedleConfig.from_needle_config(checkpoint["config"], **optional_heads_in_native(checkpoint["params"]))
+    checkpoint = load_native_checkpoint(DEMO_CHECKPOINT)
+    config = NeedleConfig.from_needle_config(checkpoint.config, **optional_heads_in_native(checkpoint.params))
     config.architectures = ["NeedleForCausalLM"]
-    tensors = native_to_hf(checkpoint["params"], config)
+    tensors = native_to_hf(checkpoint.params, config)
     out_dir.mkdir(parents=True)
     config.save_pretrained(out_dir)
     GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,

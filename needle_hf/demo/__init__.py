@@ -1,6 +1,6 @@
 """The main job: convert a native Needle 2 checkpoint, load it with the Auto classes, generate.
 
-    python -m needle_hf.demo                      # the small checkpoint shipped in scripts/demo/
+    python -m needle_hf.demo                      # the small checkpoint shipped in this package
     python -m needle_hf.demo CHECKPOINT.pkl --tokenizer tokenizer.model [--out DIR]
 
 Steps, each printed: convert the checkpoint (native `.pkl` or `.cact`) into a Hugging Face folder,
@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO_DEMO_DIR = Path(__file__).resolve().parent.parent / "scripts" / "demo"
+DEMO_DIR = Path(__file__).resolve().parent  # the demo checkpoint and tokenizer ship inside the package
 DEMO_TOOLS = [
     {
         "type": "function",
@@ -55,8 +55,8 @@ def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     checkpoint, tokenizer_path = args.checkpoint, args.tokenizer
     if checkpoint is None:
-        checkpoint = REPO_DEMO_DIR / "needle2-demo.pkl"
-        tokenizer_path = tokenizer_path or REPO_DEMO_DIR / "tokenizer.model"
+        checkpoint = DEMO_DIR / "needle2-demo.pkl"
+        tokenizer_path = tokenizer_path or DEMO_DIR / "tokenizer.model"
         print(f"[demo] no checkpoint given: using the shipped demo checkpoint {checkpoint}: {DEMO_MODEL_DESCRIPTION}")
 
     import jax
@@ -64,7 +64,7 @@ def main(argv=None) -> int:
 
     import needle_hf  # noqa: F401  (registers Needle with the Auto classes)
     from needle_hf.conversion.convert import convert
-    from needle_hf.tool_calls import ToolCallParseError, parse_tool_calls
+    from needle_hf.tools.tool_calls import ToolCallParseError, parse_tool_calls
 
     print(f"[1/4] converting {checkpoint} -> {args.out}")
     result = convert(
@@ -115,7 +115,3 @@ def main(argv=None) -> int:
         print(f"      no tool call parsed ({error})")
     print(f"[demo] done: the HF folder is {Path(args.out).resolve()}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -3,7 +3,7 @@ copied verbatim from the query.
 
 Each example offers the right tool alone or beside one other tool (shuffled) and answers with one call
 whose every argument value is a span of the query (the temperature as an integer). The examples
-are in the Needle fine-tuning JSONL format (`needle_hf.finetune_data`), so the same rows train the
+are in the Needle fine-tuning JSONL format (`needle_hf.finetune.data`), so the same rows train the
 demo (`scripts/train_demo.py`) and feed the documented workflow (`examples/finetune_tools.py`).
 
 Held-out prompts: ``split="held_out"`` draws only queries that ``split="train"`` never draws (a fixed
@@ -22,7 +22,7 @@ import zlib
 from pathlib import Path
 from typing import Optional
 
-from .demo import DEMO_TOOLS
+from . import DEMO_TOOLS
 
 
 #: Seeds of the demo model's training and held-out sets (scripts/train_demo.py).

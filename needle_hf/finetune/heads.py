@@ -5,7 +5,7 @@ and whatever pre-trained them is not in the package. Its ``forward_contrastive``
 ``forward_confidence`` stop the gradient at the backbone's cells, so the heads are trained on a
 fixed backbone; we do the same (cells under ``torch.no_grad``), which leaves the language model,
 its MTP head and every answer unchanged. The objectives are the standard ones, stated to match how
-`needle_hf.tool_routing` reads the heads:
+`needle_hf.tools.tool_routing` reads the heads:
 
 - Contrastive: InfoNCE (van den Oord et al. 2018) with the head's learnt temperature (as CLIP):
   for query embeddings q [B, C], tool embeddings t [N, C] (all L2-normalised) and the index of each
@@ -31,7 +31,7 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from .finetune_data import IGNORE_INDEX, NeedlePaddingCollator, example_to_conversation, encode_conversation
+from .data import IGNORE_INDEX, NeedlePaddingCollator, example_to_conversation, encode_conversation
 
 
 def contrastive_loss(

@@ -17,12 +17,12 @@ attention output, ``o_proj`` here for the reference's ``out_proj``) in the backb
 the MTP block's. PEFT's ``lora_alpha / r`` scale is the reference's ``alpha / rank``; with
 ``lora_A.weight = A.T`` and ``lora_B.weight = B.T`` a reference adapter computes the same function.
 
-The confidence head can join it too (``confidence_loss_weight``, `needle_hf.finetune_heads`): the
+The confidence head can join it too (``confidence_loss_weight``, `needle_hf.finetune.heads`): the
 batch then carries extra rows of wrong answers (labels -100, so the language-model terms skip them)
 and ``confidence_mask`` / ``confidence_labels``, and the head's binary cross-entropy on every row,
 read off the same forward, trains the backbone to tell right answers from wrong ones.
 
-`NeedleTrainer` (a `transformers.Trainer`) and `needle_hf.finetune_trl.NeedleSFTTrainer` (a TRL `SFTTrainer`) compute this
+`NeedleTrainer` (a `transformers.Trainer`) and `needle_hf.finetune.trainer_trl.NeedleSFTTrainer` (a TRL `SFTTrainer`) compute this
 loss themselves: `SFTTrainer`'s own loss (the last hidden state through `get_output_embeddings()`,
 the bias-less tied `lm_head`, in tiles) would skip the MTP head; `NeedleLossMixin.compute_loss`
 replaces it. `SFTConfig`'s defaults, gradient checkpointing included, work.
@@ -36,8 +36,8 @@ import torch
 import torch.nn.functional as F
 from transformers import Trainer
 
-from .finetune_data import IGNORE_INDEX
-from .finetune_heads import confidence_loss
+from .data import IGNORE_INDEX
+from .heads import confidence_loss
 
 #: Module names (PyTorch) of the reference's LoRA targets; ``o_proj`` is its ``out_proj``.
 LORA_TARGET_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "gate_proj", "o_proj")
@@ -105,7 +105,7 @@ class NeedleLossMixin:
     Args:
         mtp_loss_weight: weight of the MTP head's t + 2 loss (0 = next-token loss only).
         confidence_loss_weight: weight of the confidence head's binary cross-entropy (0 = none); the
-            batches must come from `needle_hf.finetune_heads.ConfidenceRowsCollator`.
+            batches must come from `needle_hf.finetune.heads.ConfidenceRowsCollator`.
         Every other argument is the trainer's.
     """
 
@@ -126,7 +126,7 @@ class NeedleLossMixin:
         with_confidence = self.confidence_loss_weight > 0
         if with_confidence and confidence_labels is None:
             raise ValueError("confidence_loss_weight > 0 needs batches with confidence_mask and confidence_labels"
-                             " (needle_hf.finetune_heads.ConfidenceRowsCollator)")
+                             " (needle_hf.finetune.heads.ConfidenceRowsCollator)")
         outputs = model(**inputs, use_cache=False, return_mtp_logits=with_mtp, output_hidden_states=with_confidence)
         loss = needle_causal_lm_loss(
             outputs.logits, labels, mtp_logits=outputs.mtp_logits if with_mtp else None,

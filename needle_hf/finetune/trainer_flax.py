@@ -1,8 +1,8 @@
 """Fine-tuning the Flax Needle model with optax: full or LoRA (a params transform), jit train steps.
 
-The objective is `needle_hf.finetune_torch.needle_causal_lm_loss` written in JAX: next-token
+The objective is `needle_hf.finetune.trainer.needle_causal_lm_loss` written in JAX: next-token
 cross-entropy on the labelled tokens (the assistant target and EOS; labels -100 elsewhere, as made
-by `needle_hf.finetune_data`), one token mean over the batch, plus ``mtp_loss_weight`` times the
+by `needle_hf.finetune.data`), one token mean over the batch, plus ``mtp_loss_weight`` times the
 MTP head's t + 2 cross-entropy.
 
 LoRA is the reference's: for every backbone layer's q, k, v, gate and output projection kernel
@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import optax
 from flax.traverse_util import flatten_dict, unflatten_dict
 
-from .finetune_data import IGNORE_INDEX
+from .data import IGNORE_INDEX
 
 #: Kernel names (Flax) of the reference's LoRA targets in a backbone layer's self_attn.
 LORA_TARGET_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "gate_proj", "o_proj")
@@ -85,7 +85,7 @@ def _shifted_cross_entropy(logits: jax.Array, labels: jax.Array, shift: int) -> 
 
 
 def needle_causal_lm_loss(logits, labels, *, mtp_logits=None, mtp_loss_weight: float = 0.0) -> jax.Array:
-    """The Needle fine-tuning loss (see `needle_hf.finetune_torch.needle_causal_lm_loss`)."""
+    """The Needle fine-tuning loss (see `needle_hf.finetune.trainer.needle_causal_lm_loss`)."""
     loss = _shifted_cross_entropy(logits, labels, 1)
     if mtp_loss_weight:
         loss = loss + mtp_loss_weight * _shifted_cross_entropy(mtp_logits, labels, 2)

@@ -44,7 +44,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from .chat_template import IM_END, TOOL_CALL_END, TOOL_CALL_START
+from ..models.needle.chat_template import IM_END, TOOL_CALL_END, TOOL_CALL_START
 
 SPACE_SYMBOL = "\u2581"  # SentencePiece's escaped space
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")

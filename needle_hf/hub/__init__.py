@@ -6,7 +6,7 @@ The folder is checked before anything is sent: config.json must be a Needle conf
 hold exactly the tensors that config implies (names and shapes, read from the safetensors headers),
 and every class `auto_map` names must have its code file beside it, so that a repository on the Hub
 always loads with `trust_remote_code=True`. Without a README.md the model card is rendered into the
-folder first (`needle_hf.model_card`), so the folder you pushed and the repository stay identical.
+folder first (`needle_hf.hub.model_card`), so the folder you pushed and the repository stay identical.
 
 The upload is `HfApi.create_repo(exist_ok=True)` + `HfApi.upload_folder`: the Hub (or its test
 stand-in) decides per file between a regular and an LFS upload, skips files whose content it
@@ -26,13 +26,13 @@ from pathlib import Path
 
 from huggingface_hub import HfApi
 
-from . import __version__
-from .configuration_needle import NeedleConfig
-from .conversion.export import read_hf_config, safetensors_layout, weight_files
-from .weight_names import check_hf_weights
+from .. import __version__
+from ..models.needle.configuration_needle import NeedleConfig
+from ..conversion.export import read_hf_config, safetensors_layout, weight_files
+from ..models.needle.weight_names import check_hf_weights
 from .model_card import folder_model_card
-from .remote_code import AUTO_MAP, remote_code_files
-from .tokenization_needle import read_tokenizer_file
+from ..models.needle.remote_code import AUTO_MAP, remote_code_files
+from ..models.needle.tokenization_needle import read_tokenizer_file
 
 DEFAULT_BRANCH = "main"
 README_NAME = "README.md"

@@ -20,10 +20,10 @@ from pathlib import Path
 
 from huggingface_hub import ModelCard, ModelCardData
 
-from . import __version__
-from .configuration_needle import NeedleConfig
-from .conversion.convert import REPORT_NAME
-from .weight_names import hf_weight_shapes
+from .. import __version__
+from ..models.needle.configuration_needle import NeedleConfig
+from ..conversion.convert import REPORT_NAME
+from ..models.needle.weight_names import hf_weight_shapes
 
 TEMPLATE_PACKAGE = "needle_hf.model_cards"
 TEMPLATE_NAME = "needle2.md"

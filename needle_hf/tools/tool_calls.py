@@ -13,7 +13,7 @@ chat answer is such a text. Anything after `<|im_end|>` belongs to no turn and i
 import dataclasses
 import json
 
-from .chat_template import IM_END, THINK_END, THINK_START, TOOL_CALL_END, TOOL_CALL_START
+from ..models.needle.chat_template import IM_END, THINK_END, THINK_START, TOOL_CALL_END, TOOL_CALL_START
 
 _EXCERPT_CHARS = 60
 

@@ -159,7 +159,7 @@ class NeedleToolCaller:
         tokenizer: its tokenizer (left padding).
         top_k_tools: keep this many tools of the catalogue in the prompt (None: all).
         confidence_threshold: defer answers whose confidence is below it (None: never defer).
-        constrained: constrain the answer with `needle_hf.grammar` (needs llguidance).
+        constrained: constrain the answer with `needle_hf.generation.grammar` (needs llguidance).
 
     ``caller(query, tools, max_new_tokens=64, **generate_kwargs)`` returns a `ToolCallAnswer`;
     ``NeedleToolCaller.from_pipeline(pipe, ...)`` takes the model and tokenizer of a
@@ -180,7 +180,7 @@ class NeedleToolCaller:
         self.confidence_threshold = confidence_threshold
         self.grammar = None
         if constrained:
-            from .grammar import ToolCallGrammar
+            from ..generation.grammar import ToolCallGrammar
 
             self.grammar = ToolCallGrammar(tokenizer, vocab_size=model.config.vocab_size)
 

@@ -26,7 +26,7 @@ Message mapping (OpenAI / Hugging Face style to Needle):
   - `tools=[...]`: each entry is a bare schema `{"name", "description", "parameters"}` (what the
     Needle data holds) or an OpenAI wrapper `{"type": "function", "function": {...}}`, which is
     unwrapped to the inner schema. A `tools_text` string (a template keyword, as
-    `needle_hf.finetune_data` passes it) is written as the tools block verbatim instead: the
+    `needle_hf.finetune.data` passes it) is written as the tools block verbatim instead: the
     fine-tuning data's own spelling, which the reference trains on.
   - system message: optional, first only. user message: exactly one; its content is the query.
   - assistant message (optional, last): `tool_calls` as `[{"type": "function", "function":

@@ -148,7 +148,7 @@ class NeedleConfig(PretrainedConfig):
         attention_window (`int`, *optional*, defaults to 0): Sliding attention window the HF models
             apply: 0 attends to the whole context (default, as the reference's forward); ``n > 0``
             lets each token see only the last ``n`` positions, as the engine decodes with its KV
-            window (`needle_hf.kv_window.engine_kv_window` gives the window the engine derives).
+            window (`needle_hf.generation.kv_window.engine_kv_window` gives the window the engine derives).
         kv_bits (`int`, *optional*, defaults to 8): KV-cache width of deployment exports; below 8 the
             engine CQ-quantises the cache (and so does `deploy_numerics`).
         act_bits (`int`, *optional*, defaults to 8): Activation width of deployment exports (and of
@@ -156,7 +156,7 @@ class NeedleConfig(PretrainedConfig):
         weight_bits (`str`, *optional*, defaults to `""`): Mixed-precision CQ weight map,
             ``"prefix=bits,...,default=bits"`` (widths 2, 3, 4 or 1.58 = ternary; prefixes such as
             ``attn.q_proj``, ``engram``, ``embedding``, ``mhc_phi``, ``mtp``; see
-            `needle_hf.numerics.parse_bits_map`): the widths `needle-hf build` uses when given no
+            `needle_hf.models.needle.numerics.parse_bits_map`): the widths `needle-hf build` uses when given no
             ``--bits``/``--bits-map``, and those of the QAT weights under `deploy_numerics`.
         deploy_numerics (`bool`, *optional*, defaults to `False`): Compute what the Needle engine computes
             from the `.cact` (the reference's `quant=True` forward): int8 (`act_bits`) per-row absmax

@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 import os
 from functools import partial
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import flax
 import flax.linen as nn
@@ -43,6 +43,7 @@ from flax.traverse_util import flatten_dict, unflatten_dict
 from transformers.modeling_flax_outputs import FlaxBaseModelOutput, FlaxCausalLMOutput
 from transformers.modeling_flax_utils import FlaxPreTrainedModel
 
+from .cache_flax_needle import LayerKVCache
 from .configuration_needle import NeedleConfig
 from .deploy_numerics_flax import (  # deploy numerics hooks
     quantize_activations,
@@ -152,19 +153,6 @@ def sinkhorn(logits: jnp.ndarray) -> jnp.ndarray:
         lambda: log_space_sinkhorn(logits),
         lambda: jax.lax.fori_loop(0, SINKHORN_ITERATIONS, _linear_space_round, jnp.exp(shifted)),
     )
-
-
-class LayerKVCache(NamedTuple):
-    """One layer's keys [B, K, H, S] and values [B, K, S, H], and the position where new tokens go.
-
-    Keys are stored transposed so that every attention product runs along the cache's minor axis S:
-    a one-token step's score sums then reduce over H, a major axis, which XLA vectorises (summing
-    over a minor H is 3x slower), and longer inputs' score matmuls read the keys without a transpose.
-    """
-
-    keys: jnp.ndarray
-    values: jnp.ndarray
-    write_index: jnp.ndarray
 
 
 def apply_rotary(x: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray) -> jnp.ndarray:
@@ -1305,7 +1293,7 @@ class FlaxNeedlePreTrainedModel(FlaxPreTrainedModel):
         probabilities per layer, [B, N, T, S] float32. `lora`: LoRA adapters as a `lora` variable
         collection, nested like the params (`{"model": {"layers": {"0": {"self_attn": {"q_proj":
         {"A": [in, r], "B": [r, out]}}}}}}`, B scaled by alpha / r), applied beside the kernels of
-        those projections (see `FlaxNeedleLinear`; `needle_hf.finetune_flax` builds it).
+        those projections (see `FlaxNeedleLinear`; `needle_hf.finetune.trainer_flax` builds it).
         """
         output_attentions = output_attentions if output_attentions is not None else self.config.output_attentions
         output_hidden_states = (

@@ -34,7 +34,7 @@ from flax.core.frozen_dict import unfreeze
 from jax import lax
 from transformers.generation.flax_logits_process import FlaxLogitsProcessorList
 
-from .modeling_flax_needle import FlaxNeedleForCausalLMModule, LayerKVCache
+from .cache_flax_needle import LayerKVCache
 
 
 @flax.struct.dataclass
@@ -140,13 +140,13 @@ def mtp_generate(model, input_ids, attention_mask=None, *, max_length: int, eos_
     def backbone(cache, ids, positions):
         """ids/positions [B, T] -> ((hidden [B, T, D], logits [B, T, V]), updated cache)."""
         outputs, updated = module.apply({"params": params, "cache": cache}, ids, mask, positions,
-                                        method=FlaxNeedleForCausalLMModule.hidden_and_logits, mutable=["cache"])
+                                        method=type(module).hidden_and_logits, mutable=["cache"])
         return outputs, updated["cache"]
 
     def mtp(kv, hidden, next_ids, positions, pick):
         """-> (MTP logits [B, V] of new position ``pick``, the MTP cache)."""
         return module.apply({"params": params}, hidden, next_ids, positions, mask, kv, pick,
-                            method=FlaxNeedleForCausalLMModule.mtp_draft_logits)
+                            method=type(module).mtp_draft_logits)
 
     sampling = logits_warper is not None
 

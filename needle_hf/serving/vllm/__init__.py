@@ -38,9 +38,9 @@ def register() -> None:
     from vllm.tool_parsers import ToolParserManager
 
     if ARCHITECTURE not in ModelRegistry.get_supported_archs():
-        ModelRegistry.register_model(ARCHITECTURE, f"needle_hf.vllm.model:{ARCHITECTURE}")
+        ModelRegistry.register_model(ARCHITECTURE, f"needle_hf.serving.vllm.model:{ARCHITECTURE}")
     # vLLM offers no registration call for config hooks; its table is keyed by architecture name.
     MODELS_CONFIG_MAP.setdefault(ARCHITECTURE, NeedleEagerOnly)
     ToolParserManager.register_lazy_module(
-        name=TOOL_PARSER_NAME, module_path="needle_hf.vllm.tool_parser", class_name="NeedleToolParser"
+        name=TOOL_PARSER_NAME, module_path="needle_hf.serving.vllm.tool_parser", class_name="NeedleToolParser"
     )

@@ -1,6 +1,6 @@
 """Needle 2 as a native vLLM model: continuous batching, paged KV cache, prefix caching.
 
-The math is the PyTorch twin's (`needle_hf.modeling_needle`): the decoder layers *are*
+The math is the PyTorch twin's (`needle_hf.models.needle.modeling_needle`): the decoder layers *are*
 `NeedleDecoderLayer` modules (norms, hyper-connection routing and Sinkhorn, the engram gate, the
 Walsh MLP), the engram sites are `NeedleEngram` modules fed by `engram_window_memory`, and the
 logits are `tied_logits`. Only three things are vLLM's here:
@@ -45,9 +45,9 @@ from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.models.utils import maybe_prefix
 from vllm.sequence import IntermediateTensors
 
-from ..configuration_needle import NeedleConfig
-from ..deploy_numerics import quantize_activations, quantize_kv
-from ..modeling_needle import (
+from ...models.needle.configuration_needle import NeedleConfig
+from ...models.needle.deploy_numerics import quantize_activations, quantize_kv
+from ...models.needle.modeling_needle import (
     NeedleAttention,
     NeedleDecoderLayer,
     NeedleEngram,
@@ -62,7 +62,7 @@ from ..modeling_needle import (
     tied_logits,
     walsh_operand,
 )
-from ..numerics import TIED_WEIGHTS
+from ...models.needle.numerics import TIED_WEIGHTS
 
 # Tensors of the optional heads: vLLM serves next-token logits only.
 UNSERVED_PREFIXES = ("mtp.", "contrastive_head.", "confidence_head.")

@@ -1,7 +1,7 @@
 """vLLM tool-call parser ``needle`` (``--enable-auto-tool-choice --tool-call-parser needle``).
 
 Needle answers a tool-calling prompt with an optional ``<think>`` block and one JSON list of calls,
-``<tool_call>[{"name": ..., "arguments": {...}}, ...]</tool_call>``; `needle_hf.tool_calls` reads
+``<tool_call>[{"name": ..., "arguments": {...}}, ...]</tool_call>``; `needle_hf.tools.tool_calls` reads
 that format, and this parser only maps its result onto vLLM's OpenAI protocol objects.
 
 Streaming: text that cannot be the start of a Needle tool-call turn streams as content as it
@@ -27,8 +27,8 @@ from vllm.entrypoints.generate.base.protocol import (
 from vllm.renderers.chat_utils import make_tool_call_id
 from vllm.tool_parsers.abstract_tool_parser import ToolParser
 
-from ..chat_template import IM_END, THINK_START, TOOL_CALL_END, TOOL_CALL_START
-from ..tool_calls import ToolCallParseError, parse_assistant_turn
+from ...models.needle.chat_template import IM_END, THINK_START, TOOL_CALL_END, TOOL_CALL_START
+from ...tools.tool_calls import ToolCallParseError, parse_assistant_turn
 
 # A Needle tool-call turn opens with one of these (after leading whitespace).
 TURN_OPENINGS = (THINK_START, TOOL_CALL_START)
