@@ -13,11 +13,9 @@ text ``<tool_call>`` spelled out of byte pieces can never stand in for the marke
 only once ``<|im_end|>`` is written. `ToolCallLogitsProcessor` applies the grammar to every row of
 a `generate()` batch.
 
-The grammar engine is llguidance. `benchmarks/grammar.py` measures it against xgrammar: on an
-8192-piece vocabulary both compile a request's grammar in 1.5-3 ms and compute a mask in single
-microseconds (median; worst 77 us vs 171 us), all far below a decoding step. llguidance wins on
-what matters more here: its grammars address tokens by id (xgrammar's JSON grammars match text, so
-a spelled-out marker would pass) and it needs neither torch nor triton (xgrammar pulls in both).
+The grammar engine is llguidance: its grammars address tokens by id (xgrammar's JSON grammars match
+text, so a spelled-out marker would pass) and it needs neither torch nor triton. Both engines cost
+far less than a decoding step (`benchmarks/grammar.py`; figures in benchmarks/README.md).
 
 Vocabulary. llguidance needs the bytes each token id stands for. Decoding ids one by one with the
 tokenizer would be wrong for Needle: its decoder strips the dummy-prefix space from the start of
@@ -27,8 +25,8 @@ pad/eos/bos/unk are special tokens (no text), everything else is its UTF-8.
 
 Usage::
 
-    grammar = ToolCallGrammar(tokenizer)                 # once per tokenizer (~2 ms)
-    processor = grammar.logits_processor(tools)          # once per request (~1 ms)
+    grammar = ToolCallGrammar(tokenizer)                 # once per tokenizer
+    processor = grammar.logits_processor(tools)          # once per request
     model.generate(**inputs, logits_processor=LogitsProcessorList([processor]))
     pipe(chat, logits_processor=LogitsProcessorList([grammar.logits_processor(tools)]))
 

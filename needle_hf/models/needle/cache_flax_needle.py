@@ -12,7 +12,7 @@ class LayerKVCache(NamedTuple):
 
     Keys are stored transposed so that every attention product runs along the cache's minor axis S:
     a one-token step's score sums then reduce over H, a major axis, which XLA vectorises (summing
-    over a minor H is 3x slower), and longer inputs' score matmuls read the keys without a transpose.
+    over a minor H is slower; benchmarks/README.md), and longer inputs' score matmuls read the keys without a transpose.
     """
 
     keys: jnp.ndarray

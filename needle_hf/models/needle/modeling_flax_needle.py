@@ -282,9 +282,9 @@ def with_decoding_kernels(params, config: NeedleConfig) -> dict:
     which the attention then reads instead of the four.
 
     A decoding step reads each kernel once for one row; four separate matrix-vector products read
-    them at ~60% of the rate one wider product reaches on the CPU (27 layers at the Needle 2 size:
-    18 ms against 11 ms per step). The concatenation is a copy (86 MB at the Needle 2 size), so
-    `generate` makes it once per call, outside its decoding loop; other calls see the plain tree.
+    them slower than one wider product does on the CPU (benchmarks/README.md). The concatenation is
+    a copy of the four kernels, so `generate` makes it once per call, outside its decoding loop;
+    other calls see the plain tree.
     """
     params = unfreeze(params)  # a new nested dict (the arrays shared): the caller's tree is left as it is
     for i in range(config.num_hidden_layers):
@@ -367,8 +367,8 @@ class FlaxNeedleAttention(nn.Module):
                 # [B, K, G, 1, S, 1] * [B, K, 1, 1, S, H], summed over S -> [B, K, G, 1, H]
                 out = jnp.sum(weights[..., None] * v[:, :, None, None].astype(jnp.float32), axis=-2).astype(v.dtype)
             else:
-                # With several rows XLA fuses that sum into the o_proj matmul, a kernel ~4x slower than
-                # the matmul alone (a batch-8 step ~15% slower); a dot stays unfused.
+                # With several rows XLA fuses that sum into the o_proj matmul, a kernel slower than
+                # the matmul alone; a dot stays unfused.
                 out = jnp.einsum("bkgts,bksh->bkgth", weights, v.astype(jnp.float32)).astype(v.dtype)
         else:
             scores = jnp.einsum("bkgth,bkhs->bkgts", q, k, preferred_element_type=jnp.float32)

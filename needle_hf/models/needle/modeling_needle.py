@@ -21,17 +21,17 @@ probe-pooling heads of tool retrieval (contrastive) and answer confidence.
 Numerics follow the reference: norms, hyper-connection routing and engram gates run in float32 and
 cast back to the compute dtype (the dtype of the parameters), logits are float32.
 
-This file ships as remote code next to saved weights, so it imports only ``configuration_needle``,
-``numerics`` and ``speculative`` from this package (relatively) and nothing from jax.
+This file ships as remote code next to saved weights, so it imports only flat relative modules of
+its folder (configuration, numerics, weight table, deploy numerics, cache, compiled decoding,
+speculative decoding) and nothing from jax.
+
+Layout: numerical building blocks, then the layers (attention, MLP, block, hyper-connections,
+engram, heads), then `NeedlePreTrainedModel`, the backbone `NeedleModel` and `NeedleForCausalLM`.
+The KV cache (its names across transformers versions, the engram state) is `cache_needle`; the
+compiled static-cache decoding engine is `compiled_decoding_needle`.
 
 Version notes (transformers 4.57 and 5.x):
-- 5.x renamed the cache argument and output field ``past_key_values`` to ``cache``. The forward
-  passes accept both names, and the outputs fill whichever field the installed transformers defines
-  (`CACHE_OUTPUT_FIELD`).
-- The engram needs the ids of the tokens that precede the new ones, which keys and values do not
-  hold: the cache layer of the first engram layer keeps them (`NeedleEngramCacheLayer`, a
-  `DynamicLayer` / `StaticLayer` subclass swapped in on first use), so `DynamicCache` and
-  `StaticCache` carry the whole decoding state through cropping, beam reordering and compiled steps.
+- The cache's name (``past_key_values`` / ``cache``): see `cache_needle`.
 - Attention runs through transformers' attention-function interface (eager, sdpa, flex_attention).
 - The output head ``lm_head`` is a bias-less ``nn.Linear`` whose weight is ``model.embed_tokens.weight``
   (tied through transformers' machinery: `_tied_weights_keys` is a list of tied names on 4.57, a
@@ -44,9 +44,7 @@ from __future__ import annotations
 
 import copy
 import math
-import operator
 import os
-import warnings
 from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
@@ -56,12 +54,22 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 from transformers import DynamicCache, GenerationMixin, PreTrainedModel
-from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, StaticLayer
+from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import is_torchdynamo_compiling
 
+from .cache_needle import (
+    BASE_CACHE_OUTPUT_FIELD,
+    CACHE_OUTPUT_FIELD,
+    NeedleEngramCacheLayer,
+    is_static_cache,
+    layer_caches,
+    merge_cache_arguments,
+    static_cache_length,
+)
+from .compiled_decoding_needle import LayerCompiledCall, NeedleCompiledParts
 from .configuration_needle import NeedleConfig
 from .deploy_numerics import (  # deploy numerics hooks
     forward_on_training_weights,
@@ -91,7 +99,6 @@ from .numerics import (
     engram_table_orders,
     engram_table_seeds,
     hyper_connection_offsets,
-    kv_cache_bits,
     rope_inverse_frequencies,
     walsh_factor_sizes,
     walsh_matrix,
@@ -103,10 +110,6 @@ from .weight_names import NeedleWeightsError  # the one exception of both twins'
 # copies only a model file's own relative imports out of a local folder (trust_remote_code=True).
 from .weight_names import cq_weight_bits  # noqa: F401
 
-# Name of the cache field in transformers' model outputs: `cache` from the 5.x rename on,
-# `past_key_values` before. GenerationMixin reads the cache back from this field.
-CACHE_OUTPUT_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
-_BASE_CACHE_OUTPUT_FIELD = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 # Tied weights as the installed transformers spells them: 5.x maps each tied name to its source,
 # 4.57 lists the names it ties to `get_input_embeddings()`.
@@ -790,131 +793,6 @@ def _refuse_inputs_embeds(inputs_embeds):
         raise ValueError("Needle reads token ids (its engram memory hashes them): pass input_ids, not inputs_embeds")
 
 
-def _merge_cache_arguments(past_key_values, cache) -> Optional[Cache]:
-    """Accept the cache under its 4.x name (`past_key_values`) or its 5.x name (`cache`); on 5.x the old
-    name warns."""
-    if past_key_values is not None and cache is not None and past_key_values is not cache:
-        raise ValueError("pass the KV cache once, as `past_key_values` or as `cache`, not both")
-    if past_key_values is not None and CACHE_OUTPUT_FIELD == "cache":
-        warnings.warn(
-            "`past_key_values` is the name of the KV cache before transformers 5; pass it as `cache`",
-            FutureWarning,
-            stacklevel=3,
-        )
-    found = cache if cache is not None else past_key_values
-    if found is not None and not isinstance(found, Cache):
-        raise TypeError(
-            f"Needle needs a transformers `Cache` (e.g. DynamicCache) as its KV cache, got {type(found).__name__}; "
-            "legacy tuple caches are not supported"
-        )
-    return found
-
-
-# --------------------------------------------------------------------------------------------------
-# Engram state in the KV cache
-
-
-class NeedleEngramCacheLayer:
-    """What the engram memory keeps in the KV cache: the token id of every cached position.
-
-    An engram output depends on the `NeedleConfig.engram_history` tokens before it (n-grams and the
-    dilated convolution reach across the boundary of a decoding step), so a cached forward re-reads
-    the ids of the positions just before the new ones. They live beside the keys and values of one
-    cache layer (the one of the first engram layer) and follow them through `crop`, beam-search
-    `reorder_cache`, batch selection and `reset`, the way conv states sit in the cache layers of
-    recurrent hybrids. Mixed into transformers' `DynamicLayer` and `StaticLayer`; `NeedleModel`
-    swaps a plain layer of a fresh `DynamicCache` / `StaticCache` for the matching one.
-    """
-
-    engram_ids: Optional[torch.Tensor] = None
-
-    def update_engram_ids(self, input_ids: torch.Tensor, cache_position: torch.Tensor, history: int) -> torch.Tensor:
-        """Store the new ids [B, S] at ``cache_position`` [S]; return the ``history`` ids before them
-        [B, history] (0 before the text)."""
-        raise NotImplementedError
-
-    @staticmethod
-    def adopt(layer):
-        """The Needle layer holding ``layer``'s state (``layer`` itself when it already is one)."""
-        if isinstance(layer, NeedleEngramCacheLayer):
-            return layer
-        kind = {DynamicLayer: NeedleDynamicLayer, StaticLayer: NeedleStaticLayer}.get(type(layer))
-        if kind is None:
-            raise TypeError(
-                f"Needle keeps its engram state in DynamicCache or StaticCache layers; this cache has a "
-                f"{type(layer).__name__} layer"
-            )
-        if layer.is_initialized and layer.get_seq_length() > 0:
-            raise ValueError(
-                "this cache already holds tokens but not their ids, which the engram memory needs: "
-                "fill a cache only through the Needle model"
-            )
-        adopted = kind.__new__(kind)
-        adopted.__dict__.update(layer.__dict__)
-        return adopted
-
-
-class NeedleDynamicLayer(NeedleEngramCacheLayer, DynamicLayer):
-    """A `DynamicLayer` that also keeps the ids of its positions ([B, past])."""
-
-    def update_engram_ids(self, input_ids: torch.Tensor, cache_position: torch.Tensor, history: int) -> torch.Tensor:
-        past = self.engram_ids if self.engram_ids is not None else input_ids[:, :0]
-        tail = past[:, max(past.shape[1] - history, 0) :]
-        self.engram_ids = torch.cat([past, input_ids], dim=1)
-        return F.pad(tail, (history - tail.shape[1], 0))
-
-    def reset(self) -> None:
-        super().reset()
-        self.engram_ids = None
-
-    def crop(self, *args) -> None:
-        super().crop(*args)  # the argument's meaning differs between 4.57 and 5.x; follow the keys
-        if self.engram_ids is not None:
-            self.engram_ids = self.engram_ids[:, : self.get_seq_length()]
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        super().reorder_cache(beam_idx)
-        if self.engram_ids is not None:
-            self.engram_ids = self.engram_ids.index_select(0, beam_idx.to(self.engram_ids.device))
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        super().batch_repeat_interleave(repeats)
-        if self.engram_ids is not None:
-            self.engram_ids = self.engram_ids.repeat_interleave(repeats, dim=0)
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        super().batch_select_indices(indices)
-        if self.engram_ids is not None:
-            self.engram_ids = self.engram_ids[indices]
-
-
-class NeedleStaticLayer(NeedleEngramCacheLayer, StaticLayer):
-    """A `StaticLayer` that also keeps the ids of its positions ([B, max_cache_len], written in place,
-    so a compiled decoding step keeps static addresses; cropping only moves the write position)."""
-
-    def update_engram_ids(self, input_ids: torch.Tensor, cache_position: torch.Tensor, history: int) -> torch.Tensor:
-        if self.engram_ids is None:
-            self.engram_ids = torch.zeros(
-                input_ids.shape[0], self.max_cache_len, dtype=torch.long, device=input_ids.device
-            )
-            if not is_torchdynamo_compiling():
-                torch._dynamo.mark_static_address(self.engram_ids)
-        positions = cache_position[0] - history + torch.arange(history, device=input_ids.device)  # [history]
-        before = self.engram_ids.index_select(1, positions.clamp(min=0)).masked_fill(positions < 0, 0)
-        self.engram_ids.index_copy_(1, cache_position, input_ids.long())
-        return before
-
-    def reset(self) -> None:
-        super().reset()
-        if self.engram_ids is not None:
-            self.engram_ids.zero_()
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        super().reorder_cache(beam_idx)
-        if self.engram_ids is not None:
-            self.engram_ids.copy_(self.engram_ids.index_select(0, beam_idx.to(self.engram_ids.device)))
-
-
 # --------------------------------------------------------------------------------------------------
 # Pretrained-model plumbing
 
@@ -938,279 +816,6 @@ _THREADS_AT_IMPORT = torch.get_num_threads()
 
 def _threads_chosen_by_user() -> bool:
     return bool(os.environ.get("OMP_NUM_THREADS")) or torch.get_num_threads() != _THREADS_AT_IMPORT
-
-
-def _is_static(cache: Cache) -> bool:
-    """Whether ``cache`` preallocates its keys (`StaticCache`): masks then span its whole length."""
-    return bool(cache.layers) and isinstance(cache.layers[0], StaticLayer)
-
-
-def _static_length(cache: Cache) -> int:
-    return cache.layers[0].max_cache_len
-
-
-def _layer_caches(cache: Optional[Cache], count: int) -> list:
-    """What each of ``count`` decoder layers writes its keys into: a static cache's own layers (where
-    `Cache.update` would write them, without offloading), else the cache itself (or None)."""
-    if cache is not None and _is_static(cache) and not getattr(cache, "offloading", False) and len(cache.layers) == count:
-        return list(cache.layers)
-    return [cache] * count
-
-
-@dataclass(frozen=True)
-class NeedleCompiledParts:
-    """Compiled stand-ins for parts of the backbone, run by a compiled decoding step (`get_compiled_call`).
-
-    layers: one callable per decoder layer, taking the layer's arguments (`_CompiledDecoderLayer`).
-    engram_memory: ``torch.compile`` of `NeedleModel.engram_memory` (hashes, table rows, projections
-    and convolutions of every engram site as one graph instead of ~150 eager ops).
-    output_head: hidden [B, S, d] -> float32 logits [B, S, V], as `NeedleForCausalLM.tied_logits`.
-    """
-
-    layers: tuple
-    engram_memory: Callable
-    output_head: Callable
-
-
-class _StaticKeysInPlace(CacheLayerMixin):
-    """A static cache layer's keys and values [B, KV, K, hd] inside a traced decoding step: `update`
-    writes the new ones in place at ``positions`` [S] and returns the whole tensors, as `StaticLayer`."""
-
-    is_compileable = True
-
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor):
-        self.keys, self.values, self.positions = keys, values, positions
-        self.is_initialized = True
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        self.keys.index_copy_(2, self.positions, key_states)
-        self.values.index_copy_(2, self.positions, value_states)
-        return self.keys, self.values
-
-    def lazy_initialization(self, *args):
-        raise TypeError("a decoding step's cache view holds allocated keys only")
-
-    # The rest of the layer interface (named differently in transformers 4.57 and 5.x) is not used there.
-    get_mask_sizes = get_seq_length = get_max_cache_shape = get_max_length = lazy_initialization
-
-
-def _static_write_positions(layer: StaticLayer, length: int, cache_position: torch.Tensor) -> torch.Tensor:
-    """Where a `StaticLayer` writes the keys of ``length`` new tokens, advancing its count as its
-    `update` does: transformers 5.x layers count what they hold (``cumulative_length``), 4.57 layers
-    write at ``cache_position``."""
-    if not hasattr(layer, "cumulative_length"):
-        return cache_position
-    positions = torch.arange(length, device=cache_position.device) + layer.cumulative_length
-    layer.cumulative_length += length  # in place for a tensor count, as `StaticLayer.update`
-    return positions
-
-
-class _DecoderLayerStep(nn.Module):
-    """A decoder layer's decoding step over a static cache as a function of tensors alone:
-    ``(lanes, attention_mask, cos, sin, positions, walsh_a, walsh_b, pre_offset, post_offset, keys,
-    values, engram_key, engram_value, *parameters) -> lanes``, the keys and values written in place.
-
-    The layer's parameters are inputs (named ``parameter_names``), so the program traced from one
-    layer serves every layer of the same structure. A layer without an engram site gets zeros as its
-    engram key and value, whose gated sum adds exactly 0 to its input: one program serves it too.
-    ``attention_implementation``: see `NeedleStepInputs`.
-    """
-
-    def __init__(self, layer: "NeedleDecoderLayer", parameter_names: tuple, *, attention_implementation: Optional[str]):
-        super().__init__()
-        self.parameter_names = parameter_names
-        self.attention_implementation = attention_implementation
-        self._layer = (layer,)  # not a submodule: the traced program takes its parameters as inputs
-
-    def forward(self, lanes, attention_mask, cos, sin, positions, walsh_a, walsh_b, pre_offset, post_offset, keys,
-                values, engram_key, engram_value, *parameters):
-        parameters = dict(zip(self.parameter_names, parameters))
-        step = NeedleStepInputs(key_visible=None, attention_mask=attention_mask, cos=cos, sin=sin,
-                                cache_position=positions, walsh=(walsh_a, walsh_b), pre_offsets=None, post_offsets=None,
-                                attention_implementation=self.attention_implementation)
-        options = dict(cache=_StaticKeysInPlace(keys, values, positions), lane_offsets=(pre_offset, post_offset))
-        return torch.func.functional_call(self._layer[0], parameters, (lanes, engram_key, engram_value, step), options)[0]
-
-
-@dataclass(frozen=True)
-class _LayerBinding:
-    """What a compiled decoding step reads of one decoder layer: its parameters (named) and the module
-    tree they were read from, to notice a replaced module or parameter (a PEFT adapter, say)."""
-
-    names: tuple
-    parameters: tuple
-    signature: tuple  # (name, shape, dtype) of every parameter: part of a program's key
-    # Every submodule and parameter as (the dict that holds it, its key, the object), three tuples.
-    holders: tuple
-    attributes: tuple
-    members: tuple
-
-    @classmethod
-    def of(cls, layer: "NeedleDecoderLayer") -> "_LayerBinding":
-        named = list(layer.named_parameters())
-        modules = dict(layer.named_modules())
-        slots = [(modules[name.rpartition(".")[0]]._parameters, name.rpartition(".")[2], p) for name, p in named]
-        slots += [(parent._modules, attribute, child) for parent in modules.values()
-                  for attribute, child in parent._modules.items()]
-        holders, attributes, members = zip(*slots)
-        return cls(
-            names=tuple(name for name, _ in named),
-            parameters=tuple(p for _, p in named),
-            signature=tuple((name, tuple(p.shape), p.dtype) for name, p in named),
-            holders=holders,
-            attributes=attributes,
-            members=members,
-        )
-
-    def current(self) -> bool:
-        """Whether the layer still holds these modules and parameters (checked every step, so in C loops)."""
-        return all(map(operator.is_, map(dict.get, self.holders, self.attributes), self.members))
-
-
-class _CompiledDecoderLayer:
-    """Decoder layer ``index`` as a compiled decoding step runs it: same arguments as the layer."""
-
-    def __init__(self, call: "_LayerCompiledCall", index: int):
-        self.call = call
-        self.index = index
-
-    def __call__(self, lanes, engram_key, engram_value, step, cache=None, *, lane_offsets,
-                 output_attentions: bool = False):
-        return self.call.run_layer(self.index, lanes, engram_key, engram_value, step, cache,
-                                   lane_offsets=lane_offsets, output_attentions=output_attentions)
-
-
-# Inductor settings of the decoding-step programs (the caller's ``options`` win): one-row products
-# become reductions inductor generates and fuses, reading each weight row once (one thread, a
-# 512 -> 1536 projection: 0.16 ms against 0.38 ms through `F.linear`); the program's wrapper is C++
-# (its ~100 buffer allocations and kernel calls a layer cost ~0.1 ms in Python).
-DECODING_STEP_INDUCTOR_OPTIONS = {"post_grad_fusion_options": {"decompose_mm_pass": {}}, "cpp_wrapper": True}
-
-
-class _LayerCompiledCall:
-    """The model's ``__call__`` for decoding steps over a static cache, its decoder layers and engram
-    memory compiled, handed to the forward as ``compiled_parts``.
-
-    Each decoder layer's step is traced once per variant (input shapes, parameter table, numerics
-    settings: the program's key) by `torch.export` into a program of tensors alone, the layer's
-    parameters among them (`_DecoderLayerStep`), and compiled by inductor straight from that graph (``torch._inductor.compile``, `DECODING_STEP_INDUCTOR_OPTIONS`). Every layer then
-    calls the same program on its own tensors with no guard evaluation: dynamo's per-call guards and
-    wrappers cost more than a layer's kernels in a one-row step. Another ``backend`` than inductor
-    compiles the traced program with ``torch.compile``. The engram memory is ``torch.compile`` of
-    `NeedleModel.engram_memory`; the few ops between layers stay eager. A step the programs do not
-    cover (gradients on, attention probabilities asked for, flex attention's block masks, a cache that
-    is not static) runs the layer modules.
-    """
-
-    def __init__(self, model: "NeedleForCausalLM", options: dict):
-        self.model = model
-        self.options = options
-        backbone = model.model
-        self.layers = tuple(_CompiledDecoderLayer(self, index) for index in range(len(backbone.layers)))
-        self.engram_memory = torch.compile(backbone.engram_memory, **options)
-        self.programs = {}  # program key -> compiled program
-        self._bindings = ()
-        self._keyed_step = None
-        self._step_key_value = None
-        self._zero_engram = None
-        self._walsh_factors = ()
-        self._head = self._head_made_from = None
-
-    def bindings(self) -> tuple:
-        """Each decoder layer's `_LayerBinding`, made again for a layer whose modules changed."""
-        layers = self.model.model.layers
-        if len(self._bindings) != len(layers):
-            self._bindings = tuple(_LayerBinding.of(layer) for layer in layers)
-        elif not all(binding.current() for binding in self._bindings):
-            self._bindings = tuple(
-                binding if binding.current() else _LayerBinding.of(layer) for binding, layer in zip(self._bindings, layers)
-            )
-        return self._bindings
-
-    def _compiled_program(self, program: _DecoderLayerStep, inputs: list) -> Callable:
-        graph = torch.export.export(program, tuple(inputs), strict=False).module()
-        # Flat positional inputs: without the pytree code generation, a call does not flatten its ~40
-        # arguments through pytree (tens of microseconds a layer).
-        graph.graph._codegen = torch.fx.graph.CodeGen()
-        graph.recompile()
-        backend = self.options.get("backend", "inductor")
-        if backend != "inductor":
-            return torch.compile(graph, backend=backend, fullgraph=True, dynamic=False)
-        from torch._inductor import compile as inductor_compile, list_mode_options
-
-        mode = self.options.get("mode")
-        settings = dict(DECODING_STEP_INDUCTOR_OPTIONS, **(list_mode_options(mode) if mode else {}),
-                        **(self.options.get("options") or {}))
-        return inductor_compile(graph, inputs, options=settings)
-
-    def _step_key(self, step: NeedleStepInputs) -> tuple:
-        """What a program's key takes from the step's shared tensors and the numerics settings, and the
-        Walsh matrix's Kronecker factors the programs read instead of it (once per step)."""
-        if self._keyed_step is not step:
-            config = self.model.config
-            tensors = (step.attention_mask, step.cos, step.sin, step.cache_position)
-            backbone = self.model.model
-            self._walsh_factors = tuple(backbone.constant(name, step.cos.device, step.attention_mask.dtype)
-                                        for name in ("walsh_a", "walsh_b"))
-            self._keyed_step = step
-            self._step_key_value = (
-                tuple((tuple(t.shape), t.dtype) for t in tensors),
-                config._attn_implementation, config.deploy_numerics, config.act_bits, kv_cache_bits(config),
-            )
-        return self._step_key_value
-
-    def _zeros(self, lanes: torch.Tensor) -> torch.Tensor:
-        """Zeros [B, S, d] in the dtype of ``lanes`` [B, S, L, d]: the engram key and value of a layer without a site."""
-        batch, length, _, width = lanes.shape
-        zeros = self._zero_engram
-        if zeros is None or zeros.shape != (batch, length, width) or zeros.dtype != lanes.dtype or zeros.device != lanes.device:
-            zeros = self._zero_engram = lanes.new_zeros(batch, length, width)
-        return zeros
-
-    def run_layer(self, index, lanes, engram_key, engram_value, step, cache, *, lane_offsets, output_attentions):
-        layer = self.model.model.layers[index]
-        traceable = (
-            not output_attentions
-            and not torch.is_grad_enabled()
-            and isinstance(cache, StaticLayer)
-            and cache.is_initialized
-            and isinstance(step.attention_mask, torch.Tensor)
-        )
-        if not traceable:
-            return layer(lanes, engram_key, engram_value, step, cache=cache, lane_offsets=lane_offsets,
-                         output_attentions=output_attentions)
-        binding = self._bindings[index]
-        key = (binding.signature, lanes.shape, lanes.dtype, cache.keys.shape, cache.keys.dtype, self._step_key(step))
-        if engram_key is None:
-            engram_key = engram_value = self._zeros(lanes)
-        positions = _static_write_positions(cache, lanes.shape[1], step.cache_position)
-        inputs = [lanes, step.attention_mask, step.cos, step.sin, positions, *self._walsh_factors, *lane_offsets,
-                  cache.keys, cache.values, engram_key, engram_value, *binding.parameters]
-        program = self.programs.get(key)
-        if program is None:
-            # sdpa and eager are the same products; one query row over a few hundred keys runs fastest
-            # as eager's grouped matrix products (sdpa's CPU kernel expands the keys to every head).
-            implementation = "eager" if self.model.config._attn_implementation in ("eager", "sdpa") else None
-            traced = _DecoderLayerStep(layer, binding.names, attention_implementation=implementation)
-            program = self.programs[key] = self._compiled_program(traced, inputs)
-        (lanes,) = program(*inputs)  # flat outputs
-        return lanes, None
-
-    def output_head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """`NeedleForCausalLM.tied_logits` over a transposed copy of the tied embedding [d, V], made again
-        when the embedding changes: a one-row product reads it ~2x faster than the [V, d] table."""
-        weight = self.model.lm_head.weight
-        made_from = self._head_made_from
-        if made_from is None or made_from[0] is not weight or made_from[1] != weight._version:
-            self._head = weight.detach().float().t().contiguous()
-            self._head_made_from = (weight, weight._version)
-        return quantize_activations(hidden, self.model.config).float() @ self._head  # deploy numerics hook
-
-    def __call__(self, **inputs):
-        self.bindings()
-        parts = NeedleCompiledParts(layers=self.layers, engram_memory=self.engram_memory,
-                                    output_head=self.output_head)
-        return self.model(**inputs, compiled_parts=parts)
 
 
 def _init_value(tensor: torch.Tensor, value) -> None:
@@ -1568,7 +1173,7 @@ class NeedleModel(NeedlePreTrainedModel):
                 `NeedleForCausalLM.get_compiled_call` passes); None runs the modules.
         """
         _refuse_inputs_embeds(inputs_embeds)
-        cache = _merge_cache_arguments(past_key_values, cache)
+        cache = merge_cache_arguments(past_key_values, cache)
         use_cache = _config_default(use_cache, self.config, "use_cache", True)
         output_attentions = _config_default(output_attentions, self.config, "output_attentions", False)
         output_hidden_states = _config_default(output_hidden_states, self.config, "output_hidden_states", False)
@@ -1587,12 +1192,12 @@ class NeedleModel(NeedlePreTrainedModel):
 
         batch, length = input_ids.shape
         device = input_ids.device
-        static = cache is not None and _is_static(cache)
+        static = cache is not None and is_static_cache(cache)
         if cache_position is None:
             past = cache.get_seq_length() if cache is not None else 0
             cache_position = torch.arange(length, device=device) + past
         if static:
-            key_length = _static_length(cache)
+            key_length = static_cache_length(cache)
         else:
             key_length = (cache.get_seq_length() if cache is not None else 0) + length
             if attention_mask is not None and tuple(attention_mask.shape) != (batch, key_length):
@@ -1611,7 +1216,7 @@ class NeedleModel(NeedlePreTrainedModel):
             last_hidden_state=hidden,
             hidden_states=all_hidden,
             attentions=all_attentions,
-            **{_BASE_CACHE_OUTPUT_FIELD: cache},
+            **{BASE_CACHE_OUTPUT_FIELD: cache},
         )
         return output if return_dict else output.to_tuple()
 
@@ -1637,11 +1242,11 @@ class NeedleModel(NeedlePreTrainedModel):
 
         all_hidden = (x0,) if output_hidden_states else None
         all_attentions = () if output_attentions else None
-        layer_caches = _layer_caches(cache, len(self.layers))
+        caches = layer_caches(cache, len(self.layers))
         lane_offsets = zip(step.pre_offsets.unbind(0), step.post_offsets.unbind(0))
         for i, (layer, offsets) in enumerate(zip(layers, lane_offsets)):
             key, value = memory.get(i, (None, None))
-            lanes, probs = layer(lanes, key, value, step, cache=layer_caches[i], lane_offsets=offsets,
+            lanes, probs = layer(lanes, key, value, step, cache=caches[i], lane_offsets=offsets,
                                  output_attentions=output_attentions)
             if output_hidden_states:
                 all_hidden += (lane_mean(lanes),)
@@ -1744,7 +1349,7 @@ class NeedleForCausalLM(NeedlePreTrainedModel, GenerationMixin):
         if qat_weights is not None:  # deploy numerics hook
             return forward_on_training_weights(self, qat_weights, forward_arguments)  # deploy numerics hook
         _refuse_inputs_embeds(inputs_embeds)
-        cache = _merge_cache_arguments(past_key_values, cache)
+        cache = merge_cache_arguments(past_key_values, cache)
         return_dict = _config_default(return_dict, self.config, "return_dict", True)
         if return_mtp_logits and self.mtp is None:
             raise ValueError("this model has no MTP head (config.use_mtp_head is False)")
@@ -1797,7 +1402,7 @@ class NeedleForCausalLM(NeedlePreTrainedModel, GenerationMixin):
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
             mtp_logits=mtp_logits,
-            **{CACHE_OUTPUT_FIELD: getattr(outputs, _BASE_CACHE_OUTPUT_FIELD)},
+            **{CACHE_OUTPUT_FIELD: getattr(outputs, BASE_CACHE_OUTPUT_FIELD)},
         )
         return output if return_dict else output.to_tuple()
 
@@ -1807,8 +1412,8 @@ class NeedleForCausalLM(NeedlePreTrainedModel, GenerationMixin):
         on one intra-op thread on the CPU unless the user chose a count.
 
         A decoding step is thousands of small ops; with several OpenMP threads each op that opens a
-        parallel region waits for every thread to be scheduled, which on a loaded machine made
-        decoding up to 10x slower than one thread (whose speed does not depend on the load). A
+        parallel region waits for every thread to be scheduled, which on a loaded machine makes
+        decoding several times slower than one thread (whose speed does not depend on the load). A
         thread count set with ``torch.set_num_threads`` (after importing this module) or
         ``OMP_NUM_THREADS`` is left alone; the previous count is restored afterwards either way.
         """
@@ -1821,16 +1426,16 @@ class NeedleForCausalLM(NeedlePreTrainedModel, GenerationMixin):
         finally:
             torch.set_num_threads(previous)
 
-    def get_compiled_call(self, compile_config) -> "_LayerCompiledCall":
+    def get_compiled_call(self, compile_config) -> "LayerCompiledCall":
         """The decoding step `generate` runs with a static cache when it compiles (``compile_config``):
-        the model with each decoder layer and the engram memory compiled (`_LayerCompiledCall`), not one
+        the model with each decoder layer and the engram memory compiled (`LayerCompiledCall`), not one
         whole-model graph.
         The prefill stays eager, as in transformers."""
         from transformers import CompileConfig
 
         options = (compile_config or getattr(self.generation_config, "compile_config", None) or CompileConfig()).to_dict()
         if getattr(self, "_compiled_call", None) is None or self._compiled_call.options != options:
-            self._compiled_call = _LayerCompiledCall(self, options)
+            self._compiled_call = LayerCompiledCall(self, options)
         return self._compiled_call
 
     def _valid_auto_compile_criteria(self, model_kwargs: dict, generation_config) -> bool:
@@ -1888,9 +1493,9 @@ class NeedleForCausalLM(NeedlePreTrainedModel, GenerationMixin):
         arguments transformers passes here, shapes and token types, differ between versions and say
         nothing the mask does not.)"""
         cache = cache if cache is not None else past_key_values
-        if attention_mask is None or cache is None or not _is_static(cache):
+        if attention_mask is None or cache is None or not is_static_cache(cache):
             return attention_mask
-        return F.pad(attention_mask, (0, _static_length(cache) - attention_mask.shape[1]))
+        return F.pad(attention_mask, (0, static_cache_length(cache) - attention_mask.shape[1]))
 
     # ----------------------------------------------------------------------------------------------
     # Probe-pooling heads
