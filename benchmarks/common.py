@@ -17,7 +17,7 @@ import time
 import numpy as np
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, "tests"))  # reference-checkpoint support shared with the tests
+sys.path.insert(0, os.path.join(REPO, "tests", "support"))  # reference-checkpoint support shared with the tests
 
 
 def make_base_checkpoint(folder: str, seed: int = 0, with_heads: bool = False):

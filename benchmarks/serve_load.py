@@ -36,7 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(REPO / "tests"), str(REPO / "tests" / "vllm_serving")]  # demo prompts and server helpers
+sys.path[:0] = [str(REPO / "tests" / "support"), str(REPO / "tests" / "serving" / "vllm")]  # demo prompts and server helpers
 
 MAX_NEW_TOKENS = 48
 
@@ -47,7 +47,7 @@ def percentile(values, q):
 
 
 def chats(count):
-    from test_pipeline import TOOL_QUERIES
+    from demo_support import TOOL_QUERIES
 
     return [TOOL_QUERIES[i % len(TOOL_QUERIES)] for i in range(count)]
 

@@ -39,7 +39,7 @@ import numpy as np
 from needle_hf.demo.data import CITIES, CONTACTS, MESSAGES, QUERY_TEMPLATES, SONGS
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests", "support"))
 
 DEMO_DIR = os.path.join(HERE, "demo")
 DEMO_CONFIG = dict(

@@ -4,7 +4,7 @@ Runs under transformers 4.57 (`.venv`) and 5.x (`.venv-v5`); the block that star
 `# Flax` comment runs where transformers still has Flax models (4.57) and is checked to need them.
 The folder also holds `data.jsonl` (demo fine-tuning examples) for the fine-tuning block. Every
 block that parses tool calls must parse the demo's `set_alarm` call. The block that starts with
-"# With `vllm serve` running" needs a server: the vLLM suite (`tests/vllm_serving`) makes the same
+"# With `vllm serve` running" needs a server: the vLLM suite (`tests/serving/vllm`) makes the same
 call against one, so it is not run here.
 """
 
@@ -17,7 +17,9 @@ import pytest
 import transformers
 
 from needle_hf.demo_data import write_demo_jsonl
-from test_pipeline import DEMO_CHECKPOINT, DEMO_TOKENIZER, _build_folder_without_converter
+from demo_support import DEMO_CHECKPOINT, DEMO_TOKENIZER, build_folder_without_converter
+
+pytestmark = pytest.mark.v5  # also runs under transformers 5.x (.venv-v5)
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 HAS_FLAX = hasattr(transformers, "FlaxAutoModelForCausalLM")
@@ -35,7 +37,7 @@ def readme_folder(tmp_path_factory):
     try:
         from needle_hf.conversion.convert import convert
     except ImportError:  # transformers 5 venv: the converter is not installed there
-        _build_folder_without_converter(root / "needle2-hf")
+        build_folder_without_converter(root / "needle2-hf")
     else:
         convert(DEMO_CHECKPOINT, root / "needle2-hf", tokenizer=DEMO_TOKENIZER)
     write_demo_jsonl(root / "data.jsonl", 32, seed=0)

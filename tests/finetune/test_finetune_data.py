@@ -18,6 +18,8 @@ from needle_hf.finetune_data import (
 )
 from needle_hf.tokenization_needle import PAD_ID
 
+pytestmark = pytest.mark.v5  # also runs under transformers 5.x (.venv-v5)
+
 @pytest.fixture(scope="module")
 def reference_tokenizer(needle_spm_model):
     return SANTokenizer(needle_spm_model)

@@ -40,7 +40,7 @@ TOLERANCE = 1e-5
 # head on the fixed backbone spots dropped arguments, not changed values or tools).
 RIGHT_WRONG_MARGIN = 0.15
 
-pytestmark = pytest.mark.usefixtures("one_cpu_thread")
+pytestmark = [pytest.mark.v5, pytest.mark.usefixtures("one_cpu_thread")]
 
 
 @pytest.fixture(scope="module")

@@ -30,7 +30,7 @@ from needle_hf.finetune_torch import NeedleTrainer, needle_causal_lm_loss, needl
 from needle_hf.modeling_needle import NeedleForCausalLM
 from needle_hf.tokenization_needle import PAD_ID
 
-pytestmark = pytest.mark.usefixtures("one_cpu_thread")  # conftest: torch on one thread
+pytestmark = [pytest.mark.v5, pytest.mark.usefixtures("one_cpu_thread")]  # conftest: torch on one thread
 
 
 def hf_batch(fast_tokenizer, examples):

@@ -12,7 +12,7 @@ import pytest
 import torch
 import transformers
 from needle_reference import TINY_NATIVE_CONFIG
-from test_pipeline import demo_folder  # noqa: F401  (fixture: the demo as a HF folder, 4.57 and 5.x)
+from demo_support import demo_folder  # noqa: F401  (fixture: the demo as a HF folder, 4.57 and 5.x)
 from transformers import AutoTokenizer, LogitsProcessorList, pipeline
 
 from needle_hf.configuration_needle import NeedleConfig
@@ -38,7 +38,7 @@ TOOLS = [
 ]
 
 
-pytestmark = pytest.mark.usefixtures("one_cpu_thread")
+pytestmark = [pytest.mark.v5, pytest.mark.usefixtures("one_cpu_thread")]
 
 
 @pytest.fixture(scope="module")

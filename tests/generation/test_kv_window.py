@@ -27,7 +27,7 @@ NEW_TOKENS = 6
 TOLERANCE = 1e-4
 
 
-pytestmark = pytest.mark.usefixtures("one_cpu_thread")
+pytestmark = [pytest.mark.v5, pytest.mark.usefixtures("one_cpu_thread")]
 
 
 @pytest.fixture(scope="module")

@@ -137,7 +137,7 @@ def outage_loads(tmp_path_factory):
     script.write_text(OUTAGE_SCRIPT, encoding="utf-8")
     environment = child_environment(hf_home=scratch / "hf_home", endpoint=hub.endpoint, token=hub.token)
     # The child imports needle_hf from this repository (the package under test), not a remote copy.
-    environment["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
+    environment["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
     children = {}
     for framework in FRAMEWORKS:
         if framework == "flax" and not flax_model_available():

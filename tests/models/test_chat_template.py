@@ -23,6 +23,8 @@ from needle_hf.tool_calls import (
     to_openai_tool_calls,
 )
 
+pytestmark = pytest.mark.v5  # also runs under transformers 5.x (.venv-v5)
+
 SET_ALARM = {
     "name": "set_alarm",
     "description": "Set an alarm. Use 24-hour time.",

@@ -32,7 +32,7 @@ from needle_hf.modeling_needle import (
 from needle_hf.numerics import engram_indices_numpy
 from needle_hf.weight_names import hf_weight_shapes, native_to_hf
 
-pytestmark = pytest.mark.usefixtures("one_cpu_thread")  # conftest: torch on one thread
+pytestmark = [pytest.mark.v5, pytest.mark.usefixtures("one_cpu_thread")]  # conftest: torch on one thread
 
 PARITY_TOLERANCE = 1e-4  # max |logit difference| against the reference, float32
 SEEDS = (0, 1, 2)

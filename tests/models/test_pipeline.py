@@ -10,7 +10,6 @@ pieces (config, key map, safetensors, tokenizer builder).
 import json
 import os
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -18,79 +17,31 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, pipeline
+from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
 
 import needle_hf  # noqa: F401  (registers Needle with the Auto classes)
-from needle_hf.configuration_needle import NeedleConfig
-from needle_hf.conversion.native_checkpoint import load_native_checkpoint
-from needle_hf.demo import DEMO_DIR
-from needle_hf.tokenization_needle import build_fast_tokenizer, save_fast_tokenizer
 from needle_hf.tool_calls import parse_tool_calls
 from needle_hf.weight_names import native_to_hf, optional_heads_in_native
 
-REPO = Path(__file__).resolve().parent.parent
-DEMO_CHECKPOINT = DEMO_DIR / "needle2-demo.pkl"
-DEMO_TOKENIZER = DEMO_DIR / "tokenizer.model"
+from demo_support import (  # noqa: F401  (demo_folder: fixture)
+    DEMO_CHECKPOINT,
+    DEMO_TOKENIZER,
+    MAX_NEW_TOKENS,
+    PLAY_MUSIC,
+    SEND_MESSAGE,
+    SET_ALARM,
+    SET_TEMPERATURE,
+    TOOL_QUERIES,
+    demo_folder,
+    load_demo_checkpoint,
+)
+
+pytestmark = pytest.mark.v5  # also runs under transformers 5.x (.venv-v5)
+
+REPO = Path(__file__).resolve().parents[2]
 MAJOR_VERSION = int(transformers.__version__.split(".")[0])
 # The other venv of this repository: the folder round trip crosses transformers 4 <-> 5.
 OTHER_PYTHON = REPO / (".venv-v5" if MAJOR_VERSION < 5 else ".venv") / "bin" / "python"
-MAX_NEW_TOKENS = 48
-
-
-def _tool(name, description, properties):
-    return {"type": "function", "function": {
-        "name": name, "description": description,
-        "parameters": {"type": "object", "properties": properties, "required": list(properties)}}}
-
-
-# The demo data set's tools, written here as a user would (OpenAI wrappers), in the same words.
-SET_ALARM = _tool("set_alarm", "Set an alarm on the phone.",
-                  {"time": {"type": "string", "description": "HH:MM, 24-hour clock"}})
-SEND_MESSAGE = _tool("send_message", "Send a text message to a contact.",
-                     {"to": {"type": "string", "description": "Name of the contact."},
-                      "text": {"type": "string", "description": "Text to send."}})
-PLAY_MUSIC = _tool("play_music", "Play a song.", {"song": {"type": "string", "description": "Song title."}})
-SET_TEMPERATURE = _tool("set_temperature", "Set the thermostat.",
-                        {"degrees": {"type": "integer", "description": "Target temperature in Celsius."}})
-
-# (tools offered, query, the tool the answer must call)
-TOOL_QUERIES = [
-    ([SET_ALARM], "Set an alarm for 6:45.", "set_alarm"),
-    ([PLAY_MUSIC, SEND_MESSAGE], "Text Alice that I'm running late.", "send_message"),
-    ([SET_TEMPERATURE], "Set the temperature to 21 degrees.", "set_temperature"),
-    ([PLAY_MUSIC], "Play Yesterday.", "play_music"),
-]
-
-
-def _build_folder_without_converter(out_dir: Path):
-    """The converter's output (config, generation config, weights, tokenizer) from its public parts."""
-    from safetensors.numpy import save_file
-
-    checkpoint = load_native_checkpoint(DEMO_CHECKPOINT)
-    config = NeedleConfig.from_needle_config(checkpoint.config, **optional_heads_in_native(checkpoint.params))
-    config.architectures = ["NeedleForCausalLM"]
-    tensors = native_to_hf(checkpoint.params, config)
-    out_dir.mkdir(parents=True)
-    config.save_pretrained(out_dir)
-    GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
-                     pad_token_id=config.pad_token_id).save_pretrained(out_dir)
-    save_file({name: np.asarray(value, np.float32) for name, value in tensors.items()},
-              str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    save_fast_tokenizer(build_fast_tokenizer(str(DEMO_TOKENIZER), model_max_length=config.max_position_embeddings),
-                        str(out_dir))
-
-
-@pytest.fixture(scope="module")
-def demo_folder(tmp_path_factory):
-    """The demo checkpoint as a Hugging Face folder (converted once per module)."""
-    out_dir = tmp_path_factory.mktemp("pipeline") / "needle2-demo-hf"
-    try:
-        from needle_hf.conversion.convert import convert
-    except ImportError:  # transformers 5 venv: the converter (Flax verification) is not installed there
-        _build_folder_without_converter(out_dir)
-    else:
-        convert(DEMO_CHECKPOINT, out_dir, tokenizer=DEMO_TOKENIZER)
-    return out_dir
 
 
 @pytest.fixture(scope="module")

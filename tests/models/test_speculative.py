@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from needle_reference import TINY_NATIVE_CONFIG, make_native_params
-from test_pipeline import demo_folder  # noqa: F401  (fixture: the demo as a HF folder)
+from demo_support import demo_folder  # noqa: F401  (fixture: the demo as a HF folder)
 from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessorList, TopKLogitsWarper
 
 from needle_hf.configuration_needle import NeedleConfig
@@ -25,7 +25,7 @@ NEW_TOKENS = 40
 GREEDY = dict(do_sample=False, eos_token_id=None, pad_token_id=0, max_new_tokens=NEW_TOKENS)
 
 
-pytestmark = pytest.mark.usefixtures("one_cpu_thread")
+pytestmark = [pytest.mark.v5, pytest.mark.usefixtures("one_cpu_thread")]
 
 
 def _copying_mtp(model: NeedleForCausalLM) -> NeedleForCausalLM:

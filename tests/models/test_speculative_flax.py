@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import pytest
 import torch
-from test_pipeline import demo_folder  # noqa: F401  (fixture: the demo as a HF folder)
+from demo_support import demo_folder  # noqa: F401  (fixture: the demo as a HF folder)
 from test_speculative import (GREEDY, PROMPT, SAMPLING, _copying_mtp, _demo_inputs, _joint_counts, _left_padded_batch,
                               _model)
 from transformers import AutoModelForCausalLM, AutoTokenizer

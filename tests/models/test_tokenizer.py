@@ -26,6 +26,8 @@ from needle_hf.tokenization_needle import (
     save_fast_tokenizer,
 )
 
+pytestmark = pytest.mark.v5  # also runs under transformers 5.x (.venv-v5)
+
 VARIED_TEXTS = {
     "ascii": "Set an alarm for 7:30 tomorrow and text Bob that I'm late.",
     "accents": "Le café est très chaud; Müller fährt über die Brücke, señor.",

@@ -20,7 +20,7 @@ from needle_hf.configuration_needle import NeedleConfig
 from needle_hf.modeling_needle import NeedleEngramCacheLayer, NeedleForCausalLM
 from needle_hf.weight_names import native_to_hf
 
-pytestmark = pytest.mark.usefixtures("one_cpu_thread")  # conftest: torch on one thread
+pytestmark = [pytest.mark.v5, pytest.mark.usefixtures("one_cpu_thread")]  # conftest: torch on one thread
 
 CACHE_ARGUMENT = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 TOLERANCE = 1e-5  # float32, the same model on two paths

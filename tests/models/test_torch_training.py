@@ -12,7 +12,7 @@ from needle_hf.configuration_needle import NeedleConfig
 from needle_hf.modeling_needle import NeedleForCausalLM
 from needle_hf.weight_names import native_to_hf
 
-pytestmark = pytest.mark.usefixtures("one_cpu_thread")  # conftest: torch on one thread
+pytestmark = [pytest.mark.v5, pytest.mark.usefixtures("one_cpu_thread")]  # conftest: torch on one thread
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from needle_reference import TINY_NATIVE_CONFIG, make_native_params
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 # The two environments scripts/setup.sh creates: transformers 4.57 (+ jax/flax, needle_hf installed)
 # and transformers 5.x (no Flax, no needle_hf).
 MAIN_PYTHON = REPO_ROOT / ".venv" / "bin" / "python"

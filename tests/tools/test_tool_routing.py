@@ -38,7 +38,7 @@ CATALOGUE = [
 QUERY = "Text Alice that I'm running late."
 
 
-pytestmark = pytest.mark.usefixtures("one_cpu_thread")
+pytestmark = [pytest.mark.v5, pytest.mark.usefixtures("one_cpu_thread")]
 
 
 @pytest.fixture(scope="module")

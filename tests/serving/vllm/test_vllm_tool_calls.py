@@ -7,20 +7,19 @@ on the same chat, parsed by needle_hf.tool_calls, and name the tool the query as
 """
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: the demo prompts of the pipeline suite
-from test_pipeline import MAX_NEW_TOKENS, TOOL_QUERIES  # noqa: E402
+from demo_support import MAX_NEW_TOKENS, TOOL_QUERIES  # noqa: E402
 
 import needle_hf  # noqa: E402,F401
 from needle_hf.tool_calls import parse_tool_calls  # noqa: E402
 from needle_hf.vllm.tool_parser import NeedleToolParser  # noqa: E402
 from vllm_support import demo_folder, vllm_server  # noqa: E402
+
+pytestmark = pytest.mark.vllm  # runs in .venv-vllm only
 
 TWO_CALLS = ('<think>\nalarm, then text\n</think>\n<tool_call>[{"name": "set_alarm", "arguments": {"time": "06:45"}}, '
              '{"name": "send_message", "arguments": {"to": "Zoë", "text": "up at 6:45"}}]</tool_call><|im_end|>')

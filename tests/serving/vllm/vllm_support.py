@@ -126,7 +126,7 @@ def vllm_server(folder, *args: str, log_path, startup_timeout: float = 600.0, en
 def demo_folder(out_dir):
     """The shipped demo checkpoint (needle_hf/demo/) as a Hugging Face folder, built from the package's
     public pieces (the converter's Flax verification is not installed beside vLLM)."""
-    from test_pipeline import _build_folder_without_converter
+    from demo_support import build_folder_without_converter
 
-    _build_folder_without_converter(out_dir)
+    build_folder_without_converter(out_dir)
     return out_dir
