@@ -10,7 +10,7 @@ shows up as a logit difference instead of being reproduced on both sides.
 Scope: full-sequence logits (and MTP logits) for unpadded, causal inputs; no cache, no heads.
 The module-level op functions (norms, RoPE, Sinkhorn, the engram hash, the Walsh transform, the
 padding-aware attention mask, probe pooling) are the plain statement of each op that the per-op
-tests run both models' op functions against (`tests/test_ops_parity.py`).
+tests run both models' op functions against (`tests/models/test_ops_parity.py`).
 
 Axis letters: the legend of `needle_hf/numerics.py`.
 

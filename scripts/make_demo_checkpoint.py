@@ -6,7 +6,7 @@ job converts (same file); this script records how the base was made.
 The released Needle 2 weights and tokenizer live on the Hugging Face Hub, which this project's
 machines cannot reach. The demo therefore ships a stand-in made here, reproducibly (fixed seeds):
   * tokenizer.model: a SentencePiece BPE model trained with the Needle tokenizer settings
-    (tests/spm_fixture.py) on its built-in corpus, 800 pieces;
+    (tests/support/spm_fixture.py) on its built-in corpus, 800 pieces;
   * needle2-demo.pkl: a native format_version 2 checkpoint of a small Needle 2 geometry
     (d=128, 4 layers, engram layers 1 and 3), written the way the reference writes checkpoints.
     It starts from the reference's own initialisation (cactus-needle 2.0.15, seed 0) and is then
@@ -41,7 +41,7 @@ from needle_hf.demo.data import CITIES, CONTACTS, MESSAGES, QUERY_TEMPLATES, SON
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests", "support"))
 
-DEMO_DIR = os.path.join(HERE, "demo")
+DEMO_DIR = os.path.join(os.path.dirname(HERE), "needle_hf", "demo")  # the demo ships inside the package
 DEMO_CONFIG = dict(
     vocab_size=800,
     d_model=128,

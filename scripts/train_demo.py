@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-DEMO_DIR = HERE / "demo"
+DEMO_DIR = HERE.parent / "needle_hf" / "demo"  # the demo ships inside the package
 CHECKPOINT = DEMO_DIR / "needle2-demo.pkl"
 TOKENIZER = DEMO_DIR / "tokenizer.model"
 TRAIN_EXAMPLES = 6400
