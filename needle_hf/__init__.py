@@ -10,6 +10,10 @@ and friends import their module on first access, and the Auto mappings hold defe
 become the real classes when read. `MODEL_FOR_CAUSAL_LM_MAPPING[NeedleConfig]` (what the Auto
 classes, pipelines and libraries that check the mapping read) imports the model module and returns
 `NeedleForCausalLM` itself, and from then on the mapping holds the class.
+
+The package is laid out by role (`models/needle/`, `generation/`, `tools/`, `finetune/`, `hub/`,
+`serving/`, `demo/`; docs/architecture.md has the map). The modules' earlier names
+(`needle_hf.tool_calls`, ...) still import: `MOVED_MODULES` below.
 """
 
 import importlib
