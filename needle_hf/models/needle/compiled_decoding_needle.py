@@ -23,6 +23,7 @@ from transformers.cache_utils import CacheLayerMixin, StaticLayer
 from .deploy_numerics import quantize_activations
 from .numerics import kv_cache_bits
 
+
 @dataclass(frozen=True)
 class NeedleCompiledParts:
     """Compiled stand-ins for parts of the backbone, run by a compiled decoding step (`get_compiled_call`).
