@@ -69,13 +69,13 @@ def demo_model():
     """The shipped demo checkpoint (needle_hf/demo/needle2-demo.pkl, every head) as a float32 `NeedleForCausalLM`, eval mode."""
     import torch
 
+    from demo_support import load_demo_checkpoint
+
     from needle_hf.configuration_needle import NeedleConfig
-    from needle_hf.conversion.native_checkpoint import load_native_checkpoint
-    from needle_hf.demo import DEMO_DIR
     from needle_hf.modeling_needle import NeedleForCausalLM
     from needle_hf.weight_names import native_to_hf, optional_heads_in_native
 
-    checkpoint = load_native_checkpoint(DEMO_DIR / "needle2-demo.pkl")
+    checkpoint = load_demo_checkpoint()
     config = NeedleConfig.from_needle_config(checkpoint.config, **optional_heads_in_native(checkpoint.params))
     model = NeedleForCausalLM(config)
     model.load_state_dict({k: torch.from_numpy(v) for k, v in native_to_hf(checkpoint.params, config).items()})
