@@ -32,7 +32,7 @@ import numpy as np
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-sys.path.insert(0, os.path.join(REPO, "tests"))
+sys.path.insert(0, os.path.join(REPO, "tests", "support"))
 TARGET_RATIO = 3.0
 MIB = 1 << 20
 
@@ -135,8 +135,8 @@ def _child(reader: str, path: str, valid_dir: str) -> dict:
     from needle_hf.conversion.convert import ConversionError, convert
     from needle_hf.conversion.export import ExportError, read_hf_tensors
     from needle_hf.conversion.native_checkpoint import CheckpointFormatError, load_native_checkpoint
-    from needle_hf.configuration_needle import NeedleConfig
-    from needle_hf.tokenization_needle import TokenizerSourceError, read_tokenizer_file
+    from needle_hf.models.needle.configuration_needle import NeedleConfig
+    from needle_hf.models.needle.tokenization_needle import TokenizerSourceError, read_tokenizer_file
 
     config = NeedleConfig(num_hidden_layers=2, engram_layers=[0])
     out = os.path.join(valid_dir, "out")

@@ -17,7 +17,7 @@ import time
 import numpy as np
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, "tests"))  # reference-checkpoint support shared with the tests
+sys.path.insert(0, os.path.join(REPO, "tests", "support"))  # reference-checkpoint support shared with the tests
 
 
 def make_base_checkpoint(folder: str, seed: int = 0, with_heads: bool = False):
@@ -43,8 +43,8 @@ def load_demo_torch(checkpoint: str = None):
 
     torch.set_num_threads(1)
     folder = os.path.join(tempfile.mkdtemp(), "demo")
-    convert(checkpoint or os.path.join(REPO, "scripts", "demo", "needle2-demo.pkl"), folder,
-            tokenizer=os.path.join(REPO, "scripts", "demo", "tokenizer.model"))
+    convert(checkpoint or os.path.join(REPO, "needle_hf", "demo", "needle2-demo.pkl"), folder,
+            tokenizer=os.path.join(REPO, "needle_hf", "demo", "tokenizer.model"))
     return AutoModelForCausalLM.from_pretrained(folder).eval(), AutoTokenizer.from_pretrained(folder)
 
 

@@ -7,7 +7,7 @@ row. One training step = forward, backward, gradient clipping to 1.0 and an Adam
     (`lora_target_paths`, `init_lora`, `merge_lora`, `SimpleAttentionNetwork`, optax), no QAT;
   - needle-hf torch: `NeedleForCausalLM` wrapped by PEFT (`needle_lora_config`),
     `needle_causal_lm_loss`, `torch.nn.utils.clip_grad_norm_`, `torch.optim.AdamW`;
-  - needle-hf flax: `needle_hf.finetune_flax.make_train_step` (LoRA applied beside the frozen
+  - needle-hf flax: `needle_hf.finetune.trainer_flax.make_train_step` (LoRA applied beside the frozen
     kernels, x @ W + (x @ A) @ (s B), not merged), the layers rematerialised in the backward pass
     (`gradient_checkpointing=True`) as the reference's are (its `remat=True` default).
 Each runs in its own process (own compile caches and peak RSS), on the same weights and tokens; the
@@ -94,8 +94,8 @@ def reference_worker(steps: int) -> dict:
 def flax_worker(steps: int) -> dict:
     import jax
 
-    from needle_hf.finetune_flax import finetune_optimizer, init_lora, make_train_step
-    from needle_hf.modeling_flax_needle import FlaxNeedleForCausalLM
+    from needle_hf.finetune.trainer_flax import finetune_optimizer, init_lora, make_train_step
+    from needle_hf.models.needle.modeling_flax_needle import FlaxNeedleForCausalLM
 
     with tempfile.TemporaryDirectory() as folder:
         make_base_checkpoint(folder)
@@ -119,8 +119,8 @@ def torch_worker(steps: int, threads: int) -> dict:
     import torch
     from peft import get_peft_model
 
-    from needle_hf.finetune_torch import needle_causal_lm_loss, needle_lora_config
-    from needle_hf.modeling_needle import NeedleForCausalLM
+    from needle_hf.finetune.trainer import needle_causal_lm_loss, needle_lora_config
+    from needle_hf.models.needle.modeling_needle import NeedleForCausalLM
 
     torch.set_num_threads(threads)
     with tempfile.TemporaryDirectory() as folder:

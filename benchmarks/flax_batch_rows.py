@@ -28,7 +28,7 @@ PROMPT_TOKENS, CACHE_LENGTH = 64, 128
 
 def layer_kernels(params, config) -> list:
     """(fused q/k/v/gate kernel [D, 2A + 2KV], o_proj kernel [A, D]) of every layer."""
-    from needle_hf.modeling_flax_needle import FUSED_QKVG_KERNEL
+    from needle_hf.models.needle.modeling_flax_needle import FUSED_QKVG_KERNEL
 
     layers = params["model"]["layers"]
     return [(layers[str(i)]["self_attn"][FUSED_QKVG_KERNEL], layers[str(i)]["self_attn"]["o_proj"]["kernel"])
@@ -76,7 +76,7 @@ def main(argv=None):
 
     import jax
 
-    from needle_hf.modeling_flax_needle import FlaxNeedleForCausalLM, with_decoding_kernels
+    from needle_hf.models.needle.modeling_flax_needle import FlaxNeedleForCausalLM, with_decoding_kernels
 
     with tempfile.TemporaryDirectory() as folder:
         make_base_checkpoint(folder)

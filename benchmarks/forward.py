@@ -27,7 +27,7 @@ def main(argv=None):
     import jax.numpy as jnp
     from needle.model.architecture import SimpleAttentionNetwork, TransformerConfig
 
-    from needle_hf.modeling_flax_needle import FlaxNeedleForCausalLM
+    from needle_hf.models.needle.modeling_flax_needle import FlaxNeedleForCausalLM
 
     with tempfile.TemporaryDirectory() as folder:
         params, native = make_base_checkpoint(folder)

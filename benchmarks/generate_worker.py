@@ -30,7 +30,7 @@ def prompt_ids(batch: int, length: int) -> np.ndarray:
 def measure_flax(folder, batch, prompt_len, new_tokens):
     import jax
 
-    from needle_hf.modeling_flax_needle import FlaxNeedleForCausalLM
+    from needle_hf.models.needle.modeling_flax_needle import FlaxNeedleForCausalLM
 
     model = FlaxNeedleForCausalLM.from_pretrained(folder)
     ids = prompt_ids(batch, prompt_len)
@@ -47,7 +47,7 @@ def measure_flax(folder, batch, prompt_len, new_tokens):
 def measure_torch(folder, batch, prompt_len, new_tokens):
     import torch
 
-    from needle_hf.modeling_needle import NeedleForCausalLM
+    from needle_hf.models.needle.modeling_needle import NeedleForCausalLM
 
     torch.set_grad_enabled(False)
     # Default settings: generate() itself decodes on one intra-op thread (see its docstring). With
@@ -77,7 +77,7 @@ def measure_torch_static_compiled(folder, batch, prompt_len, new_tokens):
     import torch
     from transformers import CompileConfig
 
-    from needle_hf.modeling_needle import NeedleForCausalLM
+    from needle_hf.models.needle.modeling_needle import NeedleForCausalLM
 
     torch.set_grad_enabled(False)
     model = NeedleForCausalLM.from_pretrained(folder).eval()

@@ -7,7 +7,7 @@ position of a reference answer (median and worst over the answer), on Needle's d
 pieces made of two demo pieces). Both engines get the same token bytes (`grammar.token_bytes`);
 xgrammar's JSON grammars cannot name token ids, so its markers are matched as text there.
 
-Part 2 (demo, llguidance, as shipped in `needle_hf.grammar`). Held-out prompts of the demo data set
+Part 2 (demo, llguidance, as shipped in `needle_hf.generation.grammar`). Held-out prompts of the demo data set
 (`scripts/make_demo_checkpoint.py`, held-out seed), greedy PyTorch `generate()` with and without
 `ToolCallLogitsProcessor`: the share of answers that parse and validate against their tool's schema,
 the exact tool-call accuracy (names and arguments equal to the target), and the processor's
@@ -54,8 +54,8 @@ import numpy as np
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "scripts"))
-DEMO_TOKENIZER = os.path.join(REPO, "scripts", "demo", "tokenizer.model")
-DEMO_CHECKPOINT = os.path.join(REPO, "scripts", "demo", "needle2-demo.pkl")
+DEMO_TOKENIZER = os.path.join(REPO, "needle_hf", "demo", "tokenizer.model")
+DEMO_CHECKPOINT = os.path.join(REPO, "needle_hf", "demo", "needle2-demo.pkl")
 NEEDLE2_VOCAB = 8192
 
 
@@ -75,7 +75,7 @@ def widened_vocabulary(tokens: list[bytes], special: list[int], size: int) -> li
 def time_llguidance(tokenizer, tokens, special, tools, answer_ids):
     import llguidance
 
-    from needle_hf.grammar import ToolCallGrammar, _PieceEncoder, allowed_tokens
+    from needle_hf.generation.grammar import ToolCallGrammar, _PieceEncoder, allowed_tokens
 
     encoder = _PieceEncoder(tokenizer)
     encoder.tokens = tokens
@@ -104,7 +104,7 @@ def time_xgrammar(tokens, special, tools, answer_ids, marker_text):
     import torch
     import xgrammar
 
-    from needle_hf.grammar import tool_calls_json_schema
+    from needle_hf.generation.grammar import tool_calls_json_schema
 
     # Markers as their text (xgrammar's JSON grammars address text, not token ids).
     vocab = [marker_text.get(i, t) for i, t in enumerate(tokens)]
@@ -141,7 +141,7 @@ def time_xgrammar(tokens, special, tools, answer_ids, marker_text):
 
 
 def engines(tokenizer, tools):
-    from needle_hf.grammar import token_bytes
+    from needle_hf.generation.grammar import token_bytes
 
     tokens, special = token_bytes(tokenizer)
     answer = '<tool_call>[{"name":"send_message","arguments":{"to":"Alice","text":"see you soon"}}]</tool_call><|im_end|>'
@@ -167,9 +167,9 @@ def demo(tokenizer, prompts: int, batch: int):
 
     import needle_hf  # noqa: F401
     from needle_hf.conversion.convert import convert
-    from needle_hf.demo_data import DEMO_HELD_OUT_SEED, make_demo_examples
-    from needle_hf.grammar import ToolCallGrammar, tool_schema
-    from needle_hf.tool_calls import ToolCallParseError, parse_tool_calls
+    from needle_hf.demo.data import DEMO_HELD_OUT_SEED, make_demo_examples
+    from needle_hf.generation.grammar import ToolCallGrammar, tool_schema
+    from needle_hf.tools.tool_calls import ToolCallParseError, parse_tool_calls
 
     torch.set_num_threads(1)
     folder = os.path.join(tempfile.mkdtemp(), "demo")
@@ -223,7 +223,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     from make_demo_checkpoint import demo_tools
 
-    from needle_hf.tokenization_needle import build_fast_tokenizer
+    from needle_hf.models.needle.tokenization_needle import build_fast_tokenizer
 
     tokenizer = build_fast_tokenizer(DEMO_TOKENIZER)
     engines(tokenizer, demo_tools())

@@ -1,6 +1,6 @@
 """Serving load: N concurrent OpenAI clients against `vllm serve` beside HF `pipeline` batches, same run.
 
-Workload: the demo checkpoint (scripts/demo/) and the demo tool-calling chats (the four queries of
+Workload: the demo checkpoint (needle_hf/demo/) and the demo tool-calling chats (the four queries of
 the pipeline suite, cycled), greedy, at most 48 new tokens each, float32 on the CPU.
 
 Rows:
@@ -36,7 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(REPO / "tests"), str(REPO / "tests" / "vllm_serving")]  # demo prompts and server helpers
+sys.path[:0] = [str(REPO / "tests" / "support"), str(REPO / "tests" / "serving" / "vllm")]  # demo prompts and server helpers
 
 MAX_NEW_TOKENS = 48
 
@@ -47,7 +47,7 @@ def percentile(values, q):
 
 
 def chats(count):
-    from test_pipeline import TOOL_QUERIES
+    from demo_support import TOOL_QUERIES
 
     return [TOOL_QUERIES[i % len(TOOL_QUERIES)] for i in range(count)]
 

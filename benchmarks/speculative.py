@@ -2,7 +2,7 @@
 
 Rows: plain `generate`, `generate(use_mtp=True)` (the MTP head drafts t+2, the backbone verifies),
 `generate(prompt_lookup_num_tokens=10)` (transformers' n-gram lookup in the prompt). Workloads: held-out
-demo prompts (`needle_hf.demo_data`, ``split="held_out"``), and the Needle 2 geometry with random
+demo prompts (`needle_hf.demo.data`, ``split="held_out"``), and the Needle 2 geometry with random
 weights (a 64-token random prompt, 64 new tokens). Every row must write the plain tokens (checked).
 Reports tokens/s, the speed-up, and for MTP the acceptance rate (drafts kept / drafts made) and the
 tokens per backbone forward (the prompt's forward included).
@@ -52,7 +52,7 @@ import numpy as np
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "scripts"))
-sys.path.insert(0, os.path.join(REPO, "tests"))
+sys.path.insert(0, os.path.join(REPO, "tests", "support"))
 
 
 def run_rows(model, prompts, new_tokens):
@@ -93,7 +93,7 @@ def train_mtp_head(model, tokenizer, *, steps: int, batch: int = 16, seed: int =
     """
     import torch
 
-    from needle_hf.demo_data import DEMO_TRAIN_SEED, make_demo_examples
+    from needle_hf.demo.data import DEMO_TRAIN_SEED, make_demo_examples
 
     texts = []
     for example in make_demo_examples(1000, seed=DEMO_TRAIN_SEED, split="train"):
@@ -142,7 +142,7 @@ def run_flax_rows(folder, prompts, new_tokens, pad_id):
     import jax
     import jax.numpy as jnp
 
-    from needle_hf.modeling_flax_needle import FlaxNeedleForCausalLM
+    from needle_hf.models.needle.modeling_flax_needle import FlaxNeedleForCausalLM
 
     model = FlaxNeedleForCausalLM.from_pretrained(folder)
     length = max(p["input_ids"].shape[1] for p in prompts)
@@ -200,7 +200,7 @@ def main(argv=None):
     from common import load_demo_torch
     from transformers import AutoModelForCausalLM
 
-    from needle_hf.demo_data import DEMO_HELD_OUT_SEED, make_demo_examples
+    from needle_hf.demo.data import DEMO_HELD_OUT_SEED, make_demo_examples
 
     model, tokenizer = load_demo_torch(args.checkpoint)
     prompts = []

@@ -1,6 +1,6 @@
 """Tool routing recall@k and confidence calibration on the demo checkpoint (PyTorch), through `NeedleToolCaller`.
 
-Held-out demo prompts (`needle_hf.demo_data`, ``split="held_out"``: no query of them occurs in the
+Held-out demo prompts (`needle_hf.demo.data`, ``split="held_out"``: no query of them occurs in the
 demo's training). The catalogue is the five demo tools plus the 16 distractor tools
 (`DISTRACTOR_TOOLS`; the demo's contrastive head was trained against the first 8 only):
 
@@ -16,7 +16,7 @@ demo's training). The catalogue is the five demo tools plus the 16 distractor to
     .venv/bin/python benchmarks/tool_routing.py [--prompts 200]
 
 Recorded run (100 prompts, the shipped demo of scripts/train_demo.py, whose heads are trained on the
-fixed backbone by `needle_hf.finetune_heads`; one torch thread, 2 shared cores at load average 8):
+fixed backbone by `needle_hf.finetune.heads`; one torch thread, 2 shared cores at load average 8):
 
 | k | recall@k |
 |---|---------:|
@@ -53,11 +53,11 @@ def main(argv=None):
     from common import load_demo_torch
     from train_demo import CONFIDENCE_THRESHOLD, calibration, confidences, routing_recall
 
-    from needle_hf.demo_data import (
+    from needle_hf.demo.data import (
         DEMO_DATA_TOOLS, DEMO_HELD_OUT_SEED, DISTRACTOR_TOOLS, corrupt_demo_answers, make_demo_examples,
     )
-    from needle_hf.finetune_heads import turn_ids
-    from needle_hf.tool_routing import NeedleToolCaller, embed_tools
+    from needle_hf.finetune.heads import turn_ids
+    from needle_hf.tools.tool_routing import NeedleToolCaller, embed_tools
 
     model, tokenizer = load_demo_torch()
     catalogue = DEMO_DATA_TOOLS + DISTRACTOR_TOOLS

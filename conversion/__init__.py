@@ -2,7 +2,7 @@
 blobs) and the Hugging Face layout. Imported as `needle_hf.conversion`.
 
 The file-format modules (`native_checkpoint`, `cact`, `formats`) use only numpy and
-`needle_hf.numerics`; they never import the reference, jax or torch."""
+`needle_hf.models.needle.numerics`; they never import the reference, jax or torch."""
 
 from .cact import CactFormatError, CactGeometry, CactModel, CactRecord, is_cact, read_cact, read_cact_tensors
 from .formats import SourceFormat, UnknownSourceFormatError, detect_source_format

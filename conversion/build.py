@@ -24,9 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from needle_hf.numerics import TERNARY_BITS, parse_bits_map
-from needle_hf.tokenization_needle import PieceTable
-from needle_hf.weight_names import hf_to_native
+from needle_hf.models.needle.numerics import TERNARY_BITS, parse_bits_map
+from needle_hf.models.needle.tokenization_needle import PieceTable
+from needle_hf.models.needle.weight_names import hf_to_native
 
 from .cact import CACT_TAG, read_cact
 from .atomic_output import check_output_file

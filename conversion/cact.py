@@ -52,7 +52,7 @@ from pathlib import Path
 
 import numpy as np
 
-from needle_hf.numerics import CQ_CODEBOOK_BITS, TERNARY_BITS, cq_levels, walsh_matrix
+from needle_hf.models.needle.numerics import CQ_CODEBOOK_BITS, TERNARY_BITS, cq_levels, walsh_matrix
 
 CACT_TAG = 0x05E12A83
 HEADER = struct.Struct("<29If")

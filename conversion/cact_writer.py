@@ -27,9 +27,9 @@ from pathlib import Path
 
 import numpy as np
 
-from needle_hf.chat_template import CHAT_MARKERS
-from needle_hf.numerics import CQ_WEIGHT_BITS, TERNARY_BITS, bits_for, parse_bits_map
-from needle_hf.tokenization_needle import PieceTable, PieceType
+from needle_hf.models.needle.chat_template import CHAT_MARKERS
+from needle_hf.models.needle.numerics import CQ_WEIGHT_BITS, TERNARY_BITS, bits_for, parse_bits_map
+from needle_hf.models.needle.tokenization_needle import PieceTable, PieceType
 
 from . import quantize
 from .atomic_output import clean_debris, publish_file, staging_path
@@ -210,7 +210,7 @@ def cact_bytes(params: dict, config, *, bits=4, bits_map: str | None = None, gro
         config: the model's `NeedleConfig`.
         bits: CQ width of every quantized matrix (2, 3, 4, or `TERNARY_BITS`), unless
             `bits_map` is given.
-        bits_map: per-tensor widths, "prefix=bits,...,default=bits" (see `needle_hf.numerics.parse_bits_map`).
+        bits_map: per-tensor widths, "prefix=bits,...,default=bits" (see `needle_hf.models.needle.numerics.parse_bits_map`).
         group: CQ group size (a power of two).
         tokenizer: the piece table to embed as the RAW record, or None for a blob without one.
         kv_window: the header's window; default `deployment_kv_window(config)`.

@@ -51,8 +51,8 @@ from typing import Callable
 import numpy as np
 
 import needle_hf
-from needle_hf.configuration_needle import NeedleConfig
-from needle_hf.tokenization_needle import (
+from needle_hf.models.needle.configuration_needle import NeedleConfig
+from needle_hf.models.needle.tokenization_needle import (
     BOS_ID,
     EOS_ID,
     PAD_ID,
@@ -61,7 +61,7 @@ from needle_hf.tokenization_needle import (
     check_vocab_matches,
     save_fast_tokenizer,
 )
-from needle_hf.weight_names import native_to_hf, optional_heads_in_native
+from needle_hf.models.needle.weight_names import native_to_hf, optional_heads_in_native
 
 from . import verification
 from .atomic_output import check_output_outside_inputs, clean_debris, publish_folder, staging_path

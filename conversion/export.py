@@ -31,8 +31,8 @@ from typing import Callable
 import numpy as np
 
 import needle_hf
-from needle_hf.configuration_needle import NeedleConfig
-from needle_hf.weight_names import check_hf_weights, hf_to_native
+from needle_hf.models.needle.configuration_needle import NeedleConfig
+from needle_hf.models.needle.weight_names import check_hf_weights, hf_to_native
 
 from .atomic_output import check_output_file, publish_file, staging_path
 from .native_checkpoint import load_native_checkpoint, write_native_checkpoint

@@ -5,7 +5,7 @@ The reference saves a checkpoint as one pickled dict::
     {"format_version": 2, "params": <nested dict of arrays>, "config": <dict>, "step": int | None,
      "run": dict | None}
 
-`params` is the Flax parameter tree (see `needle_hf.weight_names`), its leaves numpy arrays
+`params` is the Flax parameter tree (see `needle_hf.models.needle.weight_names`), its leaves numpy arrays
 (float32, or float16 when the reference averaged checkpoints, or bfloat16 from `ml_dtypes`).
 `config` holds the overridden `TransformerConfig` fields; some checkpoints pickle the
 `TransformerConfig` instance itself instead of a dict.

@@ -4,13 +4,13 @@ The converter uses it as the source side of its end-to-end check: logits compute
 tree it read (a `.pkl` or a dequantized `.cact`) are compared with the logits of the HF model
 loaded from the folder it wrote. This file is written from the architecture description, reads
 the reference's own tree layout (stacked layers, `(in, out)` kernels, `stack/mhc_*`) and does not
-go through `needle_hf.weight_names`, so a mapping or layout mistake on the way to the HF tensors
+go through `needle_hf.models.needle.weight_names`, so a mapping or layout mistake on the way to the HF tensors
 shows up as a logit difference instead of being reproduced on both sides.
 
 Scope: full-sequence logits (and MTP logits) for unpadded, causal inputs; no cache, no heads.
 The module-level op functions (norms, RoPE, Sinkhorn, the engram hash, the Walsh transform, the
 padding-aware attention mask, probe pooling) are the plain statement of each op that the per-op
-tests run both models' op functions against (`tests/test_ops_parity.py`).
+tests run both models' op functions against (`tests/models/test_ops_parity.py`).
 
 Axis letters: the legend of `needle_hf/numerics.py`.
 
@@ -25,7 +25,7 @@ from typing import Callable
 
 import numpy as np
 
-from needle_hf.numerics import (
+from needle_hf.models.needle.numerics import (
     SINKHORN_ITERATIONS,
     engram_indices_numpy,
     engram_table_orders,

@@ -15,7 +15,7 @@ import json
 import re
 from pathlib import Path
 
-from needle_hf.tokenization_needle import SPACE_SYMBOL, NeedleTokenizerConverter, PieceTable, PieceType
+from needle_hf.models.needle.tokenization_needle import SPACE_SYMBOL, NeedleTokenizerConverter, PieceTable, PieceType
 
 _BYTE_PIECE = re.compile(r"^<0x[0-9A-F]{2}>$")
 

@@ -12,11 +12,11 @@ The level sets are the Lloyd-Max quantizers of a unit Gaussian for 2, 3 and 4 bi
 sqrt(group) (after the rotation a unit-norm group has entries of about that size). They are fitted
 deterministically: 400,000 samples of the legacy `RandomState(0)` Gaussian, sorted, started at
 the sample quantiles (k + 1/2) / levels, then 200 rounds of "boundaries at the midpoints, levels at
-the mean of their cell" in float64 (`needle_hf.numerics.gaussian_lloyd_max`, which the models'
+the mean of their cell" in float64 (`needle_hf.models.needle.numerics.gaussian_lloyd_max`, which the models'
 deployment numerics share). Ternary (3 levels) uses the analytic {-c, 0, +c}, c = 1.2240064.
 
 Widths, level sets and bits maps (`parse_bits_map`, `bits_for`) are shared with the models'
-deployment numerics in `needle_hf.numerics`, so a map means the same widths to `needle-hf build` and
+deployment numerics in `needle_hf.models.needle.numerics`, so a map means the same widths to `needle-hf build` and
 to QAT.
 
 Every step is float32 numpy in the order written above (the same products and sums, so the same
@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from needle_hf.numerics import CQ_CODEBOOK_BITS, CQ_WEIGHT_GROUP, TERNARY_BITS, cq_levels, walsh_matrix
+from needle_hf.models.needle.numerics import CQ_CODEBOOK_BITS, CQ_WEIGHT_GROUP, TERNARY_BITS, cq_levels, walsh_matrix
 
 from .cact import TERNARY_RECORD_BITS
 

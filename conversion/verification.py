@@ -16,9 +16,9 @@ from pathlib import Path
 
 import numpy as np
 
-from needle_hf.chat_template import FIRST_CHAT_MARKER_ID
-from needle_hf.tokenization_needle import BOS_ID
-from needle_hf.weight_names import check_hf_weights
+from needle_hf.models.needle.chat_template import FIRST_CHAT_MARKER_ID
+from needle_hf.models.needle.tokenization_needle import BOS_ID
+from needle_hf.models.needle.weight_names import check_hf_weights
 
 from .export import numpy_dtype
 from .native_forward import float32_leaf, native_logits
@@ -92,7 +92,7 @@ def model_logits(folder: Path, tokens: np.ndarray, *, with_mtp: bool, backend: s
     if backend == "flax":
         import jax
 
-        from needle_hf.modeling_flax_needle import FlaxNeedleForCausalLM
+        from needle_hf.models.needle.modeling_flax_needle import FlaxNeedleForCausalLM
 
         model = FlaxNeedleForCausalLM.from_pretrained(str(folder))
 
@@ -105,7 +105,7 @@ def model_logits(folder: Path, tokens: np.ndarray, *, with_mtp: bool, backend: s
     else:
         import torch
 
-        from needle_hf.modeling_needle import NeedleForCausalLM
+        from needle_hf.models.needle.modeling_needle import NeedleForCausalLM
 
         model = NeedleForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
         with torch.no_grad():

@@ -21,7 +21,7 @@ pass `--cact needle.cact` to build it at the end (CQ widths: the config's `weigh
 
 Try it on the demo model and its synthetic data (a few minutes on a CPU):
 
-    needle-hf convert scripts/demo/needle2-demo.pkl needle2-hf --tokenizer scripts/demo/tokenizer.model
+    needle-hf convert needle_hf/demo/needle2-demo.pkl needle2-hf --tokenizer needle_hf/demo/tokenizer.model
     python examples/finetune_tools.py needle2-hf demo.jsonl needle2-tuned --demo-data 400 --epochs 1 --cact needle.cact
 """
 
@@ -52,7 +52,7 @@ def parse_args(argv):
     parser.add_argument("--cact", type=Path, metavar="OUT.cact",
                         help="also build the merged folder's .cact for the on-device engine (as `needle-hf build`)")
     parser.add_argument("--demo-data", type=int, metavar="N",
-                        help="first write N synthetic demo examples (needle_hf.demo_data) to the data path")
+                        help="first write N synthetic demo examples (needle_hf.demo.data) to the data path")
     return parser.parse_args(argv)
 
 
@@ -62,11 +62,11 @@ def main(argv=None) -> int:
     from transformers import AutoTokenizer
     from trl import SFTConfig
 
-    from needle_hf.demo_data import write_demo_jsonl
-    from needle_hf.finetune_data import FinetuneDataError, load_finetune_dataset
-    from needle_hf.finetune_torch import needle_lora_config
-    from needle_hf.finetune_trl import NeedleSFTTrainer
-    from needle_hf.modeling_needle import NeedleForCausalLM
+    from needle_hf.demo.data import write_demo_jsonl
+    from needle_hf.finetune.data import FinetuneDataError, load_finetune_dataset
+    from needle_hf.finetune.trainer import needle_lora_config
+    from needle_hf.finetune.trainer_trl import NeedleSFTTrainer
+    from needle_hf.models.needle.modeling_needle import NeedleForCausalLM
 
     if args.demo_data:
         write_demo_jsonl(args.data, args.demo_data, seed=args.seed)

@@ -10,22 +10,97 @@ and friends import their module on first access, and the Auto mappings hold defe
 become the real classes when read. `MODEL_FOR_CAUSAL_LM_MAPPING[NeedleConfig]` (what the Auto
 classes, pipelines and libraries that check the mapping read) imports the model module and returns
 `NeedleForCausalLM` itself, and from then on the mapping holds the class.
+
+The package is laid out by role (`models/needle/`, `generation/`, `tools/`, `finetune/`, `hub/`,
+`serving/`, `demo/`; docs/architecture.md has the map). The modules' earlier names
+(`needle_hf.tool_calls`, ...) still import: `MOVED_MODULES` below.
 """
 
 import importlib
+import importlib.abc
 import importlib.util
+import sys
 
-from transformers import AutoConfig
+# Where each module lived before the package was laid out by role (old dotted name -> new one).
+# `import needle_hf.tool_calls` and `from needle_hf.tool_calls import X` keep working: the import
+# system hands out the module at its new name (one module object under both names). A moved package
+# carries its submodules along (`needle_hf.vllm.model` -> `needle_hf.serving.vllm.model`).
+MOVED_MODULES = {
+    "needle_hf.configuration_needle": "needle_hf.models.needle.configuration_needle",
+    "needle_hf.modeling_needle": "needle_hf.models.needle.modeling_needle",
+    "needle_hf.modeling_flax_needle": "needle_hf.models.needle.modeling_flax_needle",
+    "needle_hf.tokenization_needle": "needle_hf.models.needle.tokenization_needle",
+    "needle_hf.tokenization_needle_fast": "needle_hf.models.needle.tokenization_needle_fast",
+    "needle_hf.numerics": "needle_hf.models.needle.numerics",
+    "needle_hf.weight_names": "needle_hf.models.needle.weight_names",
+    "needle_hf.chat_template": "needle_hf.models.needle.chat_template",
+    "needle_hf.deploy_numerics": "needle_hf.models.needle.deploy_numerics",
+    "needle_hf.deploy_numerics_flax": "needle_hf.models.needle.deploy_numerics_flax",
+    "needle_hf.speculative": "needle_hf.models.needle.speculative",
+    "needle_hf.speculative_flax": "needle_hf.models.needle.speculative_flax",
+    "needle_hf.remote_code": "needle_hf.models.needle.remote_code",
+    "needle_hf.kv_window": "needle_hf.generation.kv_window",
+    "needle_hf.grammar": "needle_hf.generation.grammar",
+    "needle_hf.tool_calls": "needle_hf.tools.tool_calls",
+    "needle_hf.tool_routing": "needle_hf.tools.tool_routing",
+    "needle_hf.finetune_data": "needle_hf.finetune.data",
+    "needle_hf.finetune_heads": "needle_hf.finetune.heads",
+    "needle_hf.finetune_torch": "needle_hf.finetune.trainer",
+    "needle_hf.finetune_flax": "needle_hf.finetune.trainer_flax",
+    "needle_hf.finetune_trl": "needle_hf.finetune.trainer_trl",
+    "needle_hf.model_card": "needle_hf.hub.model_card",
+    "needle_hf.demo_data": "needle_hf.demo.data",
+    "needle_hf.vllm": "needle_hf.serving.vllm",
+}
 
-from .configuration_needle import NeedleConfig
-from .tokenization_needle import register_tokenizer_class
+
+def moved_module_name(name: str) -> str | None:
+    """The current dotted name of the module that `name` named before the move, or None."""
+    if name in MOVED_MODULES:
+        return MOVED_MODULES[name]
+    package, _, child = name.rpartition(".")
+    while package:
+        if package in MOVED_MODULES:
+            return f"{MOVED_MODULES[package]}.{child}"
+        package, _, parent_child = package.rpartition(".")
+        child = f"{parent_child}.{child}"
+    return None
+
+
+class _MovedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Answers imports of the old names (`MOVED_MODULES`) with the module at its new name."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if not fullname.startswith(f"{__name__}.") or moved_module_name(fullname) is None:
+            return None
+        return importlib.util.spec_from_loader(fullname, self)
+
+    def create_module(self, spec):
+        module = importlib.import_module(moved_module_name(spec.name))
+        spec.loader_state = module.__spec__
+        return module
+
+    def exec_module(self, module):
+        # The import system stamped the old name's spec on the module; give it back its own, so
+        # the module keeps one identity (its `__spec__.name` is its current dotted name).
+        if module.__spec__.loader is self:
+            module.__spec__ = module.__spec__.loader_state
+
+
+if not any(isinstance(finder, _MovedModuleFinder) for finder in sys.meta_path):
+    sys.meta_path.insert(0, _MovedModuleFinder())
+
+from transformers import AutoConfig  # noqa: E402
+
+from .models.needle.configuration_needle import NeedleConfig  # noqa: E402
+from .models.needle.tokenization_needle import register_tokenizer_class  # noqa: E402
 
 __version__ = "0.1.0"
 
 # Public model classes: name -> the module (in this package) that defines it.
-_TORCH_CLASSES = {name: "modeling_needle" for name in ("NeedleModel", "NeedleForCausalLM", "NeedlePreTrainedModel")}
+_TORCH_CLASSES = {name: "models.needle.modeling_needle" for name in ("NeedleModel", "NeedleForCausalLM", "NeedlePreTrainedModel")}
 _FLAX_CLASSES = {
-    name: "modeling_flax_needle" for name in ("FlaxNeedleModel", "FlaxNeedleForCausalLM", "FlaxNeedlePreTrainedModel")
+    name: "models.needle.modeling_flax_needle" for name in ("FlaxNeedleModel", "FlaxNeedleForCausalLM", "FlaxNeedlePreTrainedModel")
 }
 
 

@@ -1,4 +1,4 @@
-"""Make the small, briefly trained Needle 2 base checkpoint of the demo (scripts/demo/).
+"""Make the small, briefly trained Needle 2 base checkpoint of the demo (needle_hf/demo/).
 
 scripts/train_demo.py then retrains it through the Hugging Face path into the checkpoint the main
 job converts (same file); this script records how the base was made.
@@ -6,7 +6,7 @@ job converts (same file); this script records how the base was made.
 The released Needle 2 weights and tokenizer live on the Hugging Face Hub, which this project's
 machines cannot reach. The demo therefore ships a stand-in made here, reproducibly (fixed seeds):
   * tokenizer.model: a SentencePiece BPE model trained with the Needle tokenizer settings
-    (tests/spm_fixture.py) on its built-in corpus, 800 pieces;
+    (tests/support/spm_fixture.py) on its built-in corpus, 800 pieces;
   * needle2-demo.pkl: a native format_version 2 checkpoint of a small Needle 2 geometry
     (d=128, 4 layers, engram layers 1 and 3), written the way the reference writes checkpoints.
     It starts from the reference's own initialisation (cactus-needle 2.0.15, seed 0) and is then
@@ -21,7 +21,7 @@ machines cannot reach. The demo therefore ships a stand-in made here, reproducib
 The model answers in-distribution prompts with a well-formed tool call, usually naming the right
 tool; slot values are sometimes wrong. It is a toy for exercising the pipeline, not a useful model.
 At the end the script greedily decodes held-out prompts with the reference model and prints how
-many parse with `needle_hf.tool_calls.parse_tool_calls` and name the right tool.
+many parse with `needle_hf.tools.tool_calls.parse_tool_calls` and name the right tool.
 
     .venv/bin/python scripts/make_demo_checkpoint.py        # about 3 minutes on 2 CPU cores
 """
@@ -36,12 +36,12 @@ import time
 
 import numpy as np
 
-from needle_hf.demo_data import CITIES, CONTACTS, MESSAGES, QUERY_TEMPLATES, SONGS
+from needle_hf.demo.data import CITIES, CONTACTS, MESSAGES, QUERY_TEMPLATES, SONGS
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests", "support"))
 
-DEMO_DIR = os.path.join(HERE, "demo")
+DEMO_DIR = os.path.join(os.path.dirname(HERE), "needle_hf", "demo")  # the demo ships inside the package
 DEMO_CONFIG = dict(
     vocab_size=800,
     d_model=128,
@@ -65,8 +65,8 @@ MAX_NEW_TOKENS = 48
 
 
 def demo_tools():
-    """The five tools of the synthetic data set (needle_hf.demo_data); set_alarm is the main job's."""
-    from needle_hf.demo_data import DEMO_DATA_TOOLS
+    """The five tools of the synthetic data set (needle_hf.demo.data); set_alarm is the main job's."""
+    from needle_hf.demo.data import DEMO_DATA_TOOLS
 
     return DEMO_DATA_TOOLS
 
@@ -218,7 +218,7 @@ def evaluate(model, params, sp):
     from needle.model.finetune import render_example
 
     from needle_hf.demo import DEMO_QUERY, DEMO_TOOLS
-    from needle_hf.tool_calls import ToolCallParseError, parse_tool_calls
+    from needle_hf.tools.tool_calls import ToolCallParseError, parse_tool_calls
 
     examples = make_examples(HELD_OUT_EXAMPLES, HELD_OUT_SEED)
     examples.append({"tools": [DEMO_TOOLS[0]["function"]], "query": DEMO_QUERY,

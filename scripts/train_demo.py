@@ -1,15 +1,15 @@
-"""Retrain the shipped demo checkpoint (scripts/demo/needle2-demo.pkl) through the Hugging Face path.
+"""Retrain the shipped demo checkpoint (needle_hf/demo/needle2-demo.pkl) through the Hugging Face path.
 
 Steps, each printed:
   1. convert the shipped native checkpoint into a Hugging Face folder and load it as the PyTorch
      `NeedleForCausalLM` (float32);
-  2. build the synthetic tool-calling data of `needle_hf.demo_data` (five phone tools, one or two
+  2. build the synthetic tool-calling data of `needle_hf.demo.data` (five phone tools, one or two
      offered per prompt, every argument copied from the query): a training set and a held-out set
      of queries the training set never contains (``split="held_out"``);
-  3. fine-tune every weight with `needle_hf.finetune_torch.NeedleTrainer` (a `transformers.Trainer`):
+  3. fine-tune every weight with `needle_hf.finetune.trainer.NeedleTrainer` (a `transformers.Trainer`):
      next-token loss on the assistant target and EOS plus the MTP head's t + 2 loss, AdamW with
      warm-up and cosine decay, gradient clipping 1.0;
-  4. train the contrastive and confidence heads on the fixed backbone (`needle_hf.finetune_heads`:
+  4. train the contrastive and confidence heads on the fixed backbone (`needle_hf.finetune.heads`:
      the reference has no objective for them, so InfoNCE of queries against a catalogue of the five
      tools and 8 distractor tools, and binary cross-entropy of right against corrupted answers:
      another tool, a changed or a dropped argument);
@@ -19,8 +19,8 @@ Steps, each printed:
      training), and the confidence head's calibration on the greedy answers (ECE; accuracy of the
      answers kept and deferred at 0.5) and on corrupted answers;
   6. export the result back to the native format (`needle_hf.conversion.export.export_native`),
-     replacing scripts/demo/needle2-demo.pkl, which the main job (`python -m needle_hf.demo`,
-     ./run.sh) converts and runs. The tokenizer (scripts/demo/tokenizer.model) is unchanged.
+     replacing needle_hf/demo/needle2-demo.pkl, which the main job (`python -m needle_hf.demo`,
+     ./run.sh) converts and runs. The tokenizer (needle_hf/demo/tokenizer.model) is unchanged.
 The figures go to train_demo_results.json beside the checkpoint.
 
     .venv/bin/python scripts/train_demo.py            # about 6 minutes on 2 CPU cores
@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-DEMO_DIR = HERE / "demo"
+DEMO_DIR = HERE.parent / "needle_hf" / "demo"  # the demo ships inside the package
 CHECKPOINT = DEMO_DIR / "needle2-demo.pkl"
 TOKENIZER = DEMO_DIR / "tokenizer.model"
 TRAIN_EXAMPLES = 6400
@@ -84,7 +84,7 @@ def greedy_answers(model, tokenizer, examples, *, batch_size: int = 50) -> list[
     """
     import torch
 
-    from needle_hf.tool_calls import ToolCallParseError, parse_tool_calls
+    from needle_hf.tools.tool_calls import ToolCallParseError, parse_tool_calls
 
     tokenizer.padding_side = "left"
     dropped = {tokenizer.eos_token_id, tokenizer.pad_token_id}
@@ -125,7 +125,7 @@ def mtp_acceptance(model, tokenizer, examples) -> dict:
 
 def routing_recall(model, tokenizer, examples, catalogue, *, ks=(1, 3)) -> dict:
     """recall@k of `rank_tools` over ``catalogue``: the fraction of queries whose tool is in the top k."""
-    from needle_hf.tool_routing import embed_tools, rank_tools
+    from needle_hf.tools.tool_routing import embed_tools, rank_tools
 
     embeddings = embed_tools(model, tokenizer, catalogue)
     names = [tool["name"] for tool in catalogue]
@@ -138,8 +138,8 @@ def routing_recall(model, tokenizer, examples, catalogue, *, ks=(1, 3)) -> dict:
 
 def confidences(model, turns, *, batch_size: int = 50) -> list[float]:
     """`answer_confidence` of turns (lists of ids), left padded in batches."""
-    from needle_hf.finetune_heads import _padded
-    from needle_hf.tool_routing import answer_confidence
+    from needle_hf.finetune.heads import _padded
+    from needle_hf.tools.tool_routing import answer_confidence
 
     scores = []
     for start in range(0, len(turns), batch_size):
@@ -165,7 +165,7 @@ def calibration(scores, correct, *, threshold: float = CONFIDENCE_THRESHOLD, bin
 
 def routing_training_data(tokenizer, examples, catalogue) -> dict:
     """`train_heads` inputs of the contrastive head: each example's query against ``catalogue``."""
-    from needle_hf.tool_routing import tool_text
+    from needle_hf.tools.tool_routing import tool_text
 
     names = [tool["name"] for tool in catalogue]
     return {"query_ids": tokenizer([e["query"] for e in examples])["input_ids"],
@@ -177,8 +177,8 @@ def confidence_training_data(tokenizer, examples, *, seed: int) -> dict:
     """`train_heads` inputs of the confidence head: each example's right answer and one corrupted answer."""
     import random
 
-    from needle_hf.demo_data import corrupt_demo_answers
-    from needle_hf.finetune_heads import turn_ids
+    from needle_hf.demo.data import corrupt_demo_answers
+    from needle_hf.finetune.heads import turn_ids
 
     rng = random.Random(seed)
     turns, labels = [], []
@@ -193,8 +193,8 @@ def with_wrong_answers(tokenizer, rows, examples, *, every: int, seed: int):
     for one row in ``every``, ``[]`` for the others (`ConfidenceRowsCollator`)."""
     import random
 
-    from needle_hf.demo_data import corrupt_demo_answers
-    from needle_hf.finetune_heads import turn_ids
+    from needle_hf.demo.data import corrupt_demo_answers
+    from needle_hf.finetune.heads import turn_ids
 
     rng = random.Random(seed)
     wrong = [turn_ids(tokenizer, {**e, "answers": corrupt_demo_answers(e, rng)}) if i % every == 0 else []
@@ -212,14 +212,14 @@ def main(argv=None) -> int:
 
     from needle_hf.conversion.convert import convert
     from needle_hf.conversion.export import export_native
-    from needle_hf.demo_data import (
+    from needle_hf.demo.data import (
         DEMO_DATA_TOOLS, DEMO_HELD_OUT_SEED, DEMO_TRAIN_SEED, DISTRACTOR_TOOLS, TRAINING_DISTRACTORS,
         corrupt_demo_answers, make_demo_examples,
     )
-    from needle_hf.finetune_data import NeedlePaddingCollator, conversations_dataset, tokenize_conversations
-    from needle_hf.finetune_heads import ConfidenceRowsCollator, train_heads, turn_ids
-    from needle_hf.finetune_torch import NeedleTrainer
-    from needle_hf.modeling_needle import NeedleForCausalLM
+    from needle_hf.finetune.data import NeedlePaddingCollator, conversations_dataset, tokenize_conversations
+    from needle_hf.finetune.heads import ConfidenceRowsCollator, train_heads, turn_ids
+    from needle_hf.finetune.trainer import NeedleTrainer
+    from needle_hf.models.needle.modeling_needle import NeedleForCausalLM
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)

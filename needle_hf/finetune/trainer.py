@@ -1,0 +1,143 @@
+"""Fine-tuning the PyTorch Needle model with the Hugging Face stack: the loss, PEFT LoRA, Trainer, TRL.
+
+The objective is the reference's (cactus-needle `finetune.py`): next-token cross-entropy on the
+assistant target and the EOS only, averaged over every such token of the batch (one token mean, not
+a mean of per-row means). Optionally the multi-token-prediction head joins it:
+
+    loss = CE(logits[:, t], labels[:, t + 1]) + mtp_loss_weight * CE(mtp_logits[:, t], labels[:, t + 2])
+
+where ``mtp_logits[:, t]`` scores token t + 2 (the MTP head reads the hidden state at t and the
+embedding of token t + 1). Both terms average over their own target tokens; under gradient
+accumulation `Trainer` passes ``num_items_in_batch`` (the next-token target count over the
+accumulated batches) and both sums are divided by it, which keeps the accumulated gradient equal
+to the one of the whole batch for the next-token term (the MTP term has one target fewer per row).
+
+LoRA: `needle_lora_config` targets the five projections the reference adapts (q, k, v, gate and the
+attention output, ``o_proj`` here for the reference's ``out_proj``) in the backbone layers only, not
+the MTP block's. PEFT's ``lora_alpha / r`` scale is the reference's ``alpha / rank``; with
+``lora_A.weight = A.T`` and ``lora_B.weight = B.T`` a reference adapter computes the same function.
+
+The confidence head can join it too (``confidence_loss_weight``, `needle_hf.finetune.heads`): the
+batch then carries extra rows of wrong answers (labels -100, so the language-model terms skip them)
+and ``confidence_mask`` / ``confidence_labels``, and the head's binary cross-entropy on every row,
+read off the same forward, trains the backbone to tell right answers from wrong ones.
+
+`NeedleTrainer` (a `transformers.Trainer`) and `needle_hf.finetune.trainer_trl.NeedleSFTTrainer` (a TRL `SFTTrainer`) compute this
+loss themselves: `SFTTrainer`'s own loss (the last hidden state through `get_output_embeddings()`,
+the bias-less tied `lm_head`, in tiles) would skip the MTP head; `NeedleLossMixin.compute_loss`
+replaces it. `SFTConfig`'s defaults, gradient checkpointing included, work.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from transformers import Trainer
+
+from .data import IGNORE_INDEX
+from .heads import confidence_loss
+
+#: Module names (PyTorch) of the reference's LoRA targets; ``o_proj`` is its ``out_proj``.
+LORA_TARGET_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "gate_proj", "o_proj")
+#: PEFT ``target_modules`` regex: those projections in the backbone layers (not the MTP block).
+BACKBONE_LORA_TARGETS = r"model\.layers\.\d+\.self_attn\.(" + "|".join(LORA_TARGET_PROJECTIONS) + ")"
+
+
+def needle_lora_config(*, rank: int = 8, alpha: float = 16.0, dropout: float = 0.0):
+    """`peft.LoraConfig` of the reference's adapter: rank ``rank``, scale ``alpha / rank``, no bias."""
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=rank, lora_alpha=alpha, lora_dropout=dropout, bias="none", target_modules=BACKBONE_LORA_TARGETS,
+        task_type="CAUSAL_LM",
+    )
+
+
+def _shifted_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, shift: int, denominator) -> torch.Tensor:
+    """Sum of CE(logits[:, t], labels[:, t + shift]) over labelled targets, divided by ``denominator``.
+
+    logits [B, T, V] float32, labels [B, T] (-100 = no target).
+    """
+    targets = labels[:, shift:].to(logits.device)
+    scores = logits[:, :-shift].float()
+    total = F.cross_entropy(
+        scores.reshape(-1, scores.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+    if denominator is None:
+        denominator = (targets != IGNORE_INDEX).sum()
+    return total / torch.as_tensor(denominator, device=total.device).clamp(min=1)
+
+
+def needle_causal_lm_loss(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    mtp_logits: Optional[torch.Tensor] = None,
+    mtp_loss_weight: float = 0.0,
+    num_items_in_batch=None,
+) -> torch.Tensor:
+    """The Needle fine-tuning loss (see the module docstring).
+
+    Args:
+        logits: [B, T, V] next-token logits (``logits[:, t]`` scores token t + 1).
+        labels: [B, T] the input ids, -100 outside the loss mask (prompt, BOS, padding).
+        mtp_logits: [B, T, V] MTP logits (``mtp_logits[:, t]`` scores token t + 2); needed when
+            ``mtp_loss_weight > 0``.
+        num_items_in_batch: the next-token target count of the whole (accumulated) batch, from
+            `Trainer`; None divides each term by its own target count in this batch.
+    Returns:
+        scalar float32 loss.
+    """
+    loss = _shifted_cross_entropy(logits, labels, 1, num_items_in_batch)
+    if mtp_loss_weight:
+        if mtp_logits is None:
+            raise ValueError("mtp_loss_weight > 0 needs mtp_logits (call the model with return_mtp_logits=True)")
+        loss = loss + mtp_loss_weight * _shifted_cross_entropy(mtp_logits, labels, 2, num_items_in_batch)
+    return loss
+
+
+class NeedleLossMixin:
+    """`compute_loss` for `Trainer` subclasses: `needle_causal_lm_loss`, with the MTP term when
+    ``mtp_loss_weight > 0``.
+
+    Args:
+        mtp_loss_weight: weight of the MTP head's t + 2 loss (0 = next-token loss only).
+        confidence_loss_weight: weight of the confidence head's binary cross-entropy (0 = none); the
+            batches must come from `needle_hf.finetune.heads.ConfidenceRowsCollator`.
+        Every other argument is the trainer's.
+    """
+
+    def __init__(self, *args, mtp_loss_weight: float = 0.0, confidence_loss_weight: float = 0.0,
+                 **trainer_arguments):
+        super().__init__(*args, **trainer_arguments)
+        self.mtp_loss_weight = float(mtp_loss_weight)
+        self.confidence_loss_weight = float(confidence_loss_weight)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        inputs = dict(inputs)
+        labels = inputs.pop("labels")
+        confidence_mask, confidence_labels = inputs.pop("confidence_mask", None), inputs.pop("confidence_labels", None)
+        # TRL's collator adds bookkeeping columns the model does not take.
+        for name in ("completion_mask", "assistant_masks", "position_ids"):
+            inputs.pop(name, None)
+        with_mtp = self.mtp_loss_weight > 0
+        with_confidence = self.confidence_loss_weight > 0
+        if with_confidence and confidence_labels is None:
+            raise ValueError("confidence_loss_weight > 0 needs batches with confidence_mask and confidence_labels"
+                             " (needle_hf.finetune.heads.ConfidenceRowsCollator)")
+        outputs = model(**inputs, use_cache=False, return_mtp_logits=with_mtp, output_hidden_states=with_confidence)
+        loss = needle_causal_lm_loss(
+            outputs.logits, labels, mtp_logits=outputs.mtp_logits if with_mtp else None,
+            mtp_loss_weight=self.mtp_loss_weight, num_items_in_batch=num_items_in_batch,
+        )
+        if with_confidence:
+            cells = model.cells_from_hidden_states(inputs["input_ids"], outputs.hidden_states)  # [B, T, L + 1, d]
+            logits = model.confidence_head(cells, confidence_mask.bool(), model.model.embed_tokens.weight.dtype)
+            loss = loss + self.confidence_loss_weight * confidence_loss(logits, confidence_labels)
+        return (loss, outputs) if return_outputs else loss
+
+
+class NeedleTrainer(NeedleLossMixin, Trainer):
+    """`transformers.Trainer` with the Needle fine-tuning loss (``mtp_loss_weight`` as in `NeedleLossMixin`)."""

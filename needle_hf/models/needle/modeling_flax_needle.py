@@ -1,0 +1,1448 @@
+"""Needle 2 in Flax for Hugging Face Transformers (4.57, the last release with Flax models).
+
+Axis letters in shape comments and einsum strings: the legend of `numerics.py` (B batch, T query
+positions, S key positions, D hidden, A attention width, N/K query/kv heads, G query heads per kv
+head, H head_dim, L lanes, C engram context, E engram width, W Hadamard width, P probes, V vocab).
+
+Numerics (one choice per op, matching the reference):
+  * every RMS statistic is taken in float32; ZCRMSNorm returns `(1 + w) * x / sqrt(mean(x^2) + eps)`
+    cast to the compute dtype, with `1 + w` formed in the parameter dtype;
+  * projections run in the compute dtype (`dtype`); attention scores and softmax in float32, the
+    probabilities cast to the compute dtype before they weight the values;
+  * the Hadamard MLP's Walsh matrix is applied as its two Kronecker factors (`walsh_transform`),
+    equal to the full matmul up to float32 rounding;
+  * hyper-connection mixing, Sinkhorn routing and the engram gate run in float32; the lanes are
+    stored in the compute dtype between layers;
+  * logits are `float32(h) @ E^T`.
+
+Padding rows (positions the attention mask hides) attend to themselves only, as in the PyTorch
+model (`attention_allowed`): they see no visible key, and a row that sees nothing would otherwise
+spread its weight over every key, future and unwritten cache slots included. Real positions are
+unaffected (they see themselves anyway), so their outputs equal the reference's.
+
+The cache (`init_cache`, a `cache` collection) holds, per layer, keys and values for every position
+up to `max_length`; for the engram memory, the last `config.engram_history` tokens with their
+validity (an engram output at position t depends on tokens t-11..t) and, per site, the value
+projections of the last positions its dilated convolution reads.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from functools import partial
+from typing import Optional
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax.core.frozen_dict import FrozenDict, freeze, unfreeze
+from flax.traverse_util import flatten_dict, unflatten_dict
+from transformers.modeling_flax_outputs import FlaxBaseModelOutput, FlaxCausalLMOutput
+from transformers.modeling_flax_utils import FlaxPreTrainedModel
+
+from .cache_flax_needle import LayerKVCache
+from .configuration_needle import NeedleConfig
+from .deploy_numerics_flax import (  # deploy numerics hooks
+    quantize_activations,
+    quantize_kv,
+    training_weights,
+)
+from .numerics import (
+    ATTENTION_GATE_INIT,
+    CONFIDENCE_PROBES,
+    CONTRASTIVE_NORM_EPS,
+    CONTRASTIVE_PROBES,
+    CONTRASTIVE_TEMPERATURE_INIT,
+    ENGRAM_FIRST_TAP_INIT,
+    ENGRAM_HASH_PRIME,
+    ENGRAM_HASH_SHIFT,
+    FUSED_QKVG_PROJECTIONS,
+    HADAMARD_DIAG_HIDDEN_INIT,
+    HADAMARD_DIAG_IN_INIT,
+    HADAMARD_DIAG_OUT_INIT,
+    HYPER_CONNECTION_ALPHA_INIT,
+    HYPER_CONNECTION_RES_BIAS_INIT,
+    NORM_WEIGHT_INIT,
+    SINKHORN_ITERATIONS,
+    SINKHORN_LINEAR_SPACE_MAX_SPREAD,
+    TIED_WEIGHTS,
+    engram_table_orders,
+    engram_table_seeds,
+    hyper_connection_offsets,
+    rope_inverse_frequencies,
+    walsh_factor_sizes,
+    walsh_matrix,
+)
+from .weight_names import (
+    HEAD_PREFIXES,
+    NeedleWeightsError,
+    check_tied_values,
+    check_weights,
+    hf_weight_shapes,
+    without_tied_aliases,
+)
+
+
+@flax.struct.dataclass
+class FlaxNeedleCausalLMOutput(FlaxCausalLMOutput):
+    """`FlaxCausalLMOutput` plus the multi-token-prediction logits (`mtp_logits[:, t]` predicts token t+2)."""
+
+    mtp_logits: Optional[jnp.ndarray] = None
+    past_key_values: Optional[dict] = None
+
+
+def _normal(std: float):
+    return jax.nn.initializers.normal(stddev=std)
+
+
+# --------------------------------------------------------------------------------------------------
+# Shared math
+
+
+def zero_centred_rms_norm(x: jnp.ndarray, weight: jnp.ndarray, eps: float) -> jnp.ndarray:
+    """`(1 + weight) * x / sqrt(mean(x^2) + eps)` over the last axis, cast back to x's dtype.
+
+    The mean of squares is float32; `1 + weight` and its product with x are in the parameter/input
+    dtype before the float32 division, as in the reference.
+    """
+    xf = x.astype(jnp.float32)
+    rms = jnp.sqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return ((1 + weight) * x / rms).astype(x.dtype)
+
+
+def rms_unit(x: jnp.ndarray, eps: float) -> jnp.ndarray:
+    """x / rms(x) over the last axis, in float32, no gain."""
+    xf = x.astype(jnp.float32)
+    return xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+
+
+def _log_space_round(_, log_k):
+    log_k = log_k - jax.nn.logsumexp(log_k, axis=-1, keepdims=True)
+    return log_k - jax.nn.logsumexp(log_k, axis=-2, keepdims=True)
+
+
+def _linear_space_round(_, k):
+    # Sums over the (static, small) lane axes as explicit adds of slices: elementwise only, so XLA
+    # fuses a whole round into one loop, where reductions would each be a kernel of their own.
+    n = k.shape[-1]
+    k = k / sum(k[..., :, j : j + 1] for j in range(n))
+    return k / sum(k[..., i : i + 1, :] for i in range(n))
+
+
+def log_space_sinkhorn(logits: jnp.ndarray) -> jnp.ndarray:
+    """The reference's Sinkhorn of [..., L, L] float32 logits: `SINKHORN_ITERATIONS` rounds that
+    subtract the logsumexp over rows, then over columns; the result is exp of the final logits."""
+    return jnp.exp(jax.lax.fori_loop(0, SINKHORN_ITERATIONS, _log_space_round, logits))
+
+
+def sinkhorn(logits: jnp.ndarray) -> jnp.ndarray:
+    """Doubly-stochastic routing [..., L, L] from float32 logits: the reference's log-space Sinkhorn
+    (subtract the logsumexp over rows, then over columns, `SINKHORN_ITERATIONS` rounds, then exp).
+
+    Computed in linear space, the same in exact arithmetic: subtracting a row's logsumexp is dividing
+    `exp(logits)` by the row's sum. A round is then one fused loop instead of about a dozen kernels,
+    which is most of a decoding step's lane-mixing cost. Logits spread wider than
+    `SINKHORN_LINEAR_SPACE_MAX_SPREAD` (where linear space could underflow) take the log-space path.
+    """
+    shifted = logits - jnp.max(logits, axis=(-2, -1), keepdims=True)  # each matrix's largest logit at 0
+    return jax.lax.cond(
+        jnp.min(shifted, initial=0.0) < -SINKHORN_LINEAR_SPACE_MAX_SPREAD,
+        lambda: log_space_sinkhorn(logits),
+        lambda: jax.lax.fori_loop(0, SINKHORN_ITERATIONS, _linear_space_round, jnp.exp(shifted)),
+    )
+
+
+def apply_rotary(x: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray) -> jnp.ndarray:
+    """Half-split RoPE `[x1 cos - x2 sin, x2 cos + x1 sin]`. x [B, T, heads, H]; cos/sin [B, T, H/2] float32."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    cos, sin = cos[:, :, None, :], sin[:, :, None, :]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def rope_tables(position_ids: jnp.ndarray, head_dim: int, theta: float) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """cos/sin [B, T, H/2] float32 for integer positions [B, T]."""
+    angles = position_ids.astype(jnp.float32)[..., None] * jnp.asarray(rope_inverse_frequencies(head_dim, theta))
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def shift_right(x: jnp.ndarray, offset: int, fill=0) -> jnp.ndarray:
+    """x[:, t - offset] along axis 1, `fill` before the start."""
+    if offset == 0:
+        return x
+    pad = [(0, 0)] * x.ndim
+    pad[1] = (offset, 0)
+    return jnp.pad(x, pad, constant_values=fill)[:, : x.shape[1]]
+
+
+def engram_hash_indices(tokens: jnp.ndarray, orders, num_heads: int, slots: int) -> jnp.ndarray:
+    """Hash-table rows [B, C, tables] for token ids [B, C] (uint32 FNV-style n-gram hash)."""
+    tokens = tokens.astype(jnp.uint32)
+    rows = []
+    for seed, order in zip(engram_table_seeds(len(orders), num_heads), engram_table_orders(orders, num_heads)):
+        acc = jnp.full_like(tokens, jnp.uint32(seed))
+        for j in range(order):
+            acc = (acc ^ shift_right(tokens, j)) * jnp.uint32(ENGRAM_HASH_PRIME)
+        acc = acc ^ (acc >> jnp.uint32(ENGRAM_HASH_SHIFT))
+        rows.append((acc % jnp.uint32(slots)).astype(jnp.int32))
+    return jnp.stack(rows, axis=-1)
+
+
+def attention_allowed(key_visible: jnp.ndarray, past_length, query_length: int, *, window: int = 0) -> jnp.ndarray:
+    """Boolean attention mask [B, T, S]: causal, restricted to visible keys, and always the query itself.
+
+    With ``window = n > 0`` a query sees only the last ``n`` key slots (`config.attention_window`,
+    see `kv_window.py`).
+
+    key_visible [B, S] (True = real token; S = cache length when decoding); the T queries sit at
+    positions past_length .. past_length + T - 1 (past_length may be traced). A query attending to
+    itself keeps padding rows (which see no visible key) finite and independent of other positions.
+    """
+    query_positions = past_length + jnp.arange(query_length)  # [T]
+    key_positions = jnp.arange(key_visible.shape[1])  # [S]
+    causal = key_positions[None, :] <= query_positions[:, None]  # [T, S]
+    if window > 0:
+        causal = causal & (query_positions[:, None] - key_positions[None, :] < window)
+    itself = key_positions[None, :] == query_positions[:, None]  # [T, S]
+    return (causal[None] & key_visible.astype(jnp.bool_)[:, None, :]) | itself[None]
+
+
+def probe_pool(cells: jnp.ndarray, keep: jnp.ndarray, probes: jnp.ndarray) -> jnp.ndarray:
+    """Attention pooling of every (position, layer) cell by learned probes, in float32.
+
+    cells [B, T, L + 1, D]; keep [B, T] bool (real tokens); probes [P, D] -> [B, P * D] float32.
+    The softmax runs over all T * (L + 1) cells (axis F), position-major.
+    """
+    b, t, depth, d = cells.shape
+    flat = cells.reshape(b, t * depth, d).astype(jnp.float32)  # [B, F, D]
+    keep = jnp.repeat(keep.astype(jnp.bool_), depth, axis=1)  # [B, F], position-major like the cells
+    scores = jnp.einsum("bfd,pd->bpf", flat, probes.astype(jnp.float32)) / math.sqrt(d)
+    weights = jax.nn.softmax(jnp.where(keep[:, None, :], scores, -jnp.inf), axis=-1)
+    return jnp.einsum("bpf,bfd->bpd", weights, flat).reshape(b, -1)
+
+
+# --------------------------------------------------------------------------------------------------
+# Modules
+
+
+class FlaxNeedleRMSNorm(nn.Module):
+    """Zero-centred RMSNorm: `(1 + weight) * x / rms(x)`; `weight` starts at 0."""
+
+    config: NeedleConfig
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        weight = self.param("weight", nn.initializers.constant(NORM_WEIGHT_INIT), (x.shape[-1],))
+        return zero_centred_rms_norm(x, weight, self.config.rms_norm_eps).astype(self.dtype)
+
+
+class FlaxNeedleLinear(nn.Module):
+    """Bias-free projection `x @ kernel`, kernel [in, out] named like `nn.Dense`'s (`.../kernel`).
+
+    The kernel is declared in `setup`, so a parent can also read it (`.kernel`) and run several
+    projections of one input as a single matmul (`fused_projections`). With a LoRA adapter in the
+    `lora` collection (`A` [in, r], `B` [r, out], B already scaled by alpha / r), the projection is
+    `x @ kernel + (x @ A) @ B`, PEFT's way: equal to the merged kernel's, but no merged kernel is
+    formed and the backward pass computes no [in, out] kernel gradient, only A's and B's.
+    """
+
+    in_features: int
+    out_features: int
+    dtype: jnp.dtype = jnp.float32
+    init_std: float = 0.02
+
+    def setup(self):
+        self.kernel = self.param("kernel", _normal(self.init_std), (self.in_features, self.out_features))
+
+    def has_adapter(self) -> bool:
+        """Whether a LoRA adapter is applied beside the kernel."""
+        return self.has_variable("lora", "A")
+
+    def __call__(self, x):
+        x = x.astype(self.dtype)
+        y = x @ self.kernel.astype(self.dtype)  # [..., out]
+        if self.has_adapter():
+            a, b = self.get_variable("lora", "A"), self.get_variable("lora", "B")
+            y = y + (x @ a.astype(self.dtype)) @ b.astype(self.dtype)  # [..., r] @ [r, out]
+        return y
+
+
+# Name of the derived kernel that `with_decoding_kernels` adds beside each layer's attention projections
+# (`numerics.FUSED_QKVG_PROJECTIONS`, concatenated in that order).
+FUSED_QKVG_KERNEL = "qkvg_kernel"
+
+
+def with_decoding_kernels(params, config: NeedleConfig) -> dict:
+    """``params`` (the causal LM's tree) plus, in each decoder layer's ``self_attn``, the q, k, v and gate
+    kernels concatenated into one [d, 2 * attention_dim + 2 * kv_dim] ``qkvg_kernel`` (`FUSED_QKVG_KERNEL`),
+    which the attention then reads instead of the four.
+
+    A decoding step reads each kernel once for one row; four separate matrix-vector products read
+    them slower than one wider product does on the CPU (benchmarks/README.md). The concatenation is
+    a copy of the four kernels, so `generate` makes it once per call, outside its decoding loop;
+    other calls see the plain tree.
+    """
+    params = unfreeze(params)  # a new nested dict (the arrays shared): the caller's tree is left as it is
+    for i in range(config.num_hidden_layers):
+        attn = params["model"]["layers"][str(i)]["self_attn"]
+        attn[FUSED_QKVG_KERNEL] = jnp.concatenate([attn[name]["kernel"] for name in FUSED_QKVG_PROJECTIONS], axis=1)
+    return params
+
+
+def fused_projections(x, projections, *, kernel=None) -> list:
+    """[p(x) for p in projections] (FlaxNeedleLinear layers of one input) as a single matmul.
+
+    Worth it for narrow projections: a decoding step reads a few-column kernel inefficiently, and
+    one wider matmul reads all of them in one pass. ``kernel``: their kernels already concatenated
+    (`with_decoding_kernels`); without it they are concatenated here, a copy, which inside a decoding
+    loop (generate's `while_loop`) XLA hoists out of the loop.
+    """
+    if kernel is None:
+        kernel = jnp.concatenate([p.kernel for p in projections], axis=1)
+    out = x.astype(projections[0].dtype) @ kernel.astype(projections[0].dtype)
+    return jnp.split(out, np.cumsum([p.out_features for p in projections])[:-1].tolist(), axis=-1)
+
+
+class FlaxNeedleAttention(nn.Module):
+    """GQA self-attention with q/k norms, half-split RoPE and a sigmoid output gate."""
+
+    config: NeedleConfig
+    dtype: jnp.dtype = jnp.float32
+
+    def setup(self):
+        cfg = self.config
+        # FlaxNeedleLinear rather than nn.Dense: the same parameters, plus LoRA adapters (fine-tuning).
+        dense = partial(FlaxNeedleLinear, cfg.hidden_size, dtype=self.dtype, init_std=cfg.initializer_range)
+        residual_std = cfg.initializer_range / math.sqrt(2 * cfg.num_hidden_layers)
+        self.q_proj = dense(cfg.attention_dim)
+        self.k_proj = dense(cfg.kv_dim)
+        self.v_proj = dense(cfg.kv_dim)
+        self.gate_proj = dense(cfg.attention_dim)
+        self.o_proj = FlaxNeedleLinear(cfg.attention_dim, cfg.hidden_size, dtype=self.dtype, init_std=residual_std)
+        self.q_norm = FlaxNeedleRMSNorm(cfg, dtype=self.dtype)
+        self.k_norm = FlaxNeedleRMSNorm(cfg, dtype=self.dtype)
+
+    def __call__(self, x, cos, sin, key_mask, *, kv_cache: Optional[LayerKVCache] = None, output_attentions: bool = False):
+        """x [B, T, D]; key_mask [B, T, S] (True = may attend) -> ([B, T, D], kv_cache, weights).
+
+        weights: the attention probabilities [B, N, T, S] float32 with `output_attentions`, else None.
+        """
+        cfg = self.config
+        b, t, _ = x.shape
+        x = quantize_activations(x, cfg)  # deploy numerics hook
+        projections = tuple(getattr(self, name) for name in FUSED_QKVG_PROJECTIONS)
+        if self.has_variable("params", FUSED_QKVG_KERNEL) and not any(p.has_adapter() for p in projections):
+            # Decoding kernels (`with_decoding_kernels`): one matmul for the four projections.
+            q, k, v, gate = fused_projections(x, projections, kernel=self.get_variable("params", FUSED_QKVG_KERNEL))
+        else:
+            q, k, v, gate = (p(x) for p in projections)
+        q = self.q_norm(q.reshape(b, t, cfg.num_attention_heads, cfg.head_dim))  # [B, T, N, H]
+        k = self.k_norm(k.reshape(b, t, cfg.num_key_value_heads, cfg.head_dim))  # [B, T, K, H]
+        v = v.reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)  # [B, T, K, H]
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        k, v = quantize_kv(k, v, cfg)  # deploy numerics hook
+        k, v = k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3)  # [B, K, H, T], [B, K, T, H]: the cache layout
+        groups = cfg.num_attention_heads // cfg.num_key_value_heads
+        q = q.reshape(b, t, cfg.num_key_value_heads, groups, cfg.head_dim).transpose(0, 2, 3, 1, 4)  # [B, K, G, T, H]
+        scale = jnp.sqrt(jnp.float32(cfg.head_dim))
+        mask = key_mask[:, None, None]  # [B, 1, 1, T, S]
+        if kv_cache is not None:
+            # Write the new positions in place, then attend over this layer's whole cache.
+            start = kv_cache.write_index
+            k = jax.lax.dynamic_update_slice(kv_cache.keys, k.astype(kv_cache.keys.dtype), (0, 0, 0, start))
+            v = jax.lax.dynamic_update_slice(kv_cache.values, v.astype(kv_cache.values.dtype), (0, 0, start, 0))
+            kv_cache = kv_cache._replace(keys=k, values=v)
+        if t == 1:
+            # One token: the scores as products and sums, which XLA fuses into one loop over the cache
+            # (a dot reading the cache updated in place inside generate()'s loop once made XLA copy it).
+            # [B, K, G, 1, H, 1] * [B, K, 1, 1, H, S], summed over H -> scores [B, K, G, 1, S]
+            scores = jnp.sum(q[..., None].astype(jnp.float32) * k[:, :, None, None].astype(jnp.float32), axis=-2)
+            probs = jax.nn.softmax(jnp.where(mask, scores / scale, jnp.finfo(jnp.float32).min), axis=-1)
+            weights = probs.astype(v.dtype).astype(jnp.float32)
+            if b == 1:
+                # [B, K, G, 1, S, 1] * [B, K, 1, 1, S, H], summed over S -> [B, K, G, 1, H]
+                out = jnp.sum(weights[..., None] * v[:, :, None, None].astype(jnp.float32), axis=-2).astype(v.dtype)
+            else:
+                # With several rows XLA fuses that sum into the o_proj matmul, a kernel slower than
+                # the matmul alone; a dot stays unfused.
+                out = jnp.einsum("bkgts,bksh->bkgth", weights, v.astype(jnp.float32)).astype(v.dtype)
+        else:
+            scores = jnp.einsum("bkgth,bkhs->bkgts", q, k, preferred_element_type=jnp.float32)
+            probs = jax.nn.softmax(jnp.where(mask, scores / scale, jnp.finfo(jnp.float32).min), axis=-1)
+            out = jnp.einsum("bkgts,bksh->bkgth", probs.astype(v.dtype), v)  # [B, K, G, T, H]
+        out = out.transpose(0, 3, 1, 2, 4)  # [B, T, K, G, H]
+        out = out.reshape(b, t, cfg.attention_dim)
+        out = out * nn.sigmoid(gate)
+        # Query head n = k * G + g, so [B, K, G, T, S] flattens to [B, N, T, S] in head order.
+        weights = probs.reshape(b, cfg.num_attention_heads, t, -1) if output_attentions else None
+        out = quantize_activations(out, cfg)  # deploy numerics hook
+        return self.o_proj(out), kv_cache, weights
+
+
+def walsh_transform(z: jnp.ndarray) -> jnp.ndarray:
+    """`z @ walsh_matrix(n)` over the last axis (n a power of two), as two small matmuls over its
+    Kronecker factors (`numerics.walsh_factor_sizes`)."""
+    n = z.shape[-1]
+    a, b = walsh_factor_sizes(n)
+    walsh_a, walsh_b = (jnp.asarray(walsh_matrix(m), z.dtype) for m in (a, b))
+    z = z.reshape(*z.shape[:-1], a, b) @ walsh_b  # [..., a, b]
+    return (walsh_a @ z).reshape(*z.shape[:-2], n)  # W_a is symmetric: W_a^T Z = W_a Z
+
+
+class FlaxNeedleHadamardMLP(nn.Module):
+    """`(diag_out * silu(diag_hidden * (diag_in * x) W) W)[:D]` with W the orthonormal Walsh matrix."""
+
+    config: NeedleConfig
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        n, d = self.config.hadamard_size, self.config.hidden_size
+        diag_in = self.param("diag_in", nn.initializers.constant(HADAMARD_DIAG_IN_INIT), (n,)).astype(self.dtype)
+        diag_hidden = self.param("diag_hidden", nn.initializers.constant(HADAMARD_DIAG_HIDDEN_INIT), (n,)).astype(self.dtype)
+        diag_out = self.param("diag_out", nn.initializers.constant(HADAMARD_DIAG_OUT_INIT), (n,)).astype(self.dtype)
+        z = jnp.pad(x, ((0, 0), (0, 0), (0, n - d))) if n > d else x
+        z = walsh_transform(diag_in * z)
+        z = walsh_transform(nn.silu(diag_hidden * z))
+        return (diag_out * z)[..., :d]
+
+
+class FlaxNeedleBlock(nn.Module):
+    """One transformer block: [engram read] -> attention (gated residual) -> Hadamard MLP."""
+
+    config: NeedleConfig
+    dtype: jnp.dtype = jnp.float32
+
+    def setup(self):
+        self.input_layernorm = FlaxNeedleRMSNorm(self.config, dtype=self.dtype)
+        self.self_attn = FlaxNeedleAttention(self.config, dtype=self.dtype)
+        self.post_attention_layernorm = FlaxNeedleRMSNorm(self.config, dtype=self.dtype)
+        self.attention_gate = self.param("attention_gate", nn.initializers.constant(ATTENTION_GATE_INIT), ())
+        self.pre_feedforward_layernorm = FlaxNeedleRMSNorm(self.config, dtype=self.dtype)
+        self.mlp = FlaxNeedleHadamardMLP(self.config, dtype=self.dtype)
+
+    def block(self, u, cos, sin, key_mask, *, engram=None, kv_cache: Optional[LayerKVCache] = None, output_attentions: bool = False):
+        """u [B, T, D] -> ([B, T, D], kv_cache, attention weights [B, N, T, S] or None).
+
+        `engram` = (keys, values) [B, T, D]: the engram memory this layer reads, or None.
+        """
+        if engram is not None:
+            engram_keys, engram_values = engram
+            eps = self.config.rms_norm_eps
+            alpha = nn.sigmoid(
+                jnp.sum(rms_unit(u, eps) * rms_unit(engram_keys, eps), axis=-1, keepdims=True)
+                / math.sqrt(self.config.hidden_size)
+            )  # [B, T, 1]
+            u = u + (alpha * engram_values.astype(jnp.float32)).astype(u.dtype)
+        attn, kv_cache, weights = self.self_attn(
+            self.input_layernorm(u), cos, sin, key_mask, kv_cache=kv_cache, output_attentions=output_attentions
+        )
+        x = u + nn.sigmoid(self.attention_gate).astype(self.dtype) * self.post_attention_layernorm(attn)
+        return x + self.mlp(self.pre_feedforward_layernorm(x)), kv_cache, weights
+
+    def __call__(self, u, cos, sin, key_mask):
+        return self.block(u, cos, sin, key_mask)[0]
+
+
+class FlaxNeedleHyperConnection(nn.Module):
+    """Per-layer lane mixing weights: pre-mix (lanes -> block input), post-mix, and residual routing."""
+
+    config: NeedleConfig
+
+    def setup(self):
+        cfg = self.config
+        lanes = cfg.hyper_connection_lanes
+        linear = partial(FlaxNeedleLinear, lanes * cfg.hidden_size, dtype=jnp.float32, init_std=cfg.initializer_range)
+        self.pre_proj = linear(lanes)
+        self.post_proj = linear(lanes)
+        self.res_proj = linear(lanes * lanes)
+        self.pre_bias = self.param("pre_bias", nn.initializers.zeros, (lanes,))
+        self.post_bias = self.param("post_bias", nn.initializers.zeros, (lanes,))
+        self.res_bias = self.param("res_bias", lambda key, shape: HYPER_CONNECTION_RES_BIAS_INIT * jnp.eye(lanes), (lanes, lanes))
+        alpha = nn.initializers.constant(HYPER_CONNECTION_ALPHA_INIT)
+        self.pre_alpha = self.param("pre_alpha", alpha, ())
+        self.post_alpha = self.param("post_alpha", alpha, ())
+        self.res_alpha = self.param("res_alpha", alpha, ())
+
+    def __call__(self, lanes_flat_unit, pre_offset, post_offset):
+        """lanes_flat_unit [B, T, L*D] float32 -> (pre [B, T, L], post [B, T, L], routing [B, T, L, L])."""
+        f32 = lambda p: jnp.asarray(p, jnp.float32)  # noqa: E731
+        b, t, _ = lanes_flat_unit.shape
+        n = self.config.hyper_connection_lanes
+        pre_logits, post_logits, routing_logits = fused_projections(lanes_flat_unit, (self.pre_proj, self.post_proj, self.res_proj))
+        pre = nn.sigmoid(f32(self.pre_alpha) * pre_logits + f32(self.pre_bias) + pre_offset)
+        post = 2 * nn.sigmoid(f32(self.post_alpha) * post_logits + f32(self.post_bias) + post_offset)
+        routing_logits = f32(self.res_alpha) * routing_logits.reshape(b, t, n, n) + f32(self.res_bias)
+        return pre, post, sinkhorn(routing_logits)
+
+
+class FlaxNeedleDecoderLayer(FlaxNeedleBlock):
+    """A block wrapped in hyper-connections over `hyper_connection_lanes` residual lanes."""
+
+    def setup(self):
+        super().setup()
+        self.hyper_connection = FlaxNeedleHyperConnection(self.config)
+
+    def __call__(
+        self, lanes, cos, sin, key_mask, lane_offsets, *, engram=None, kv_cache: Optional[LayerKVCache] = None,
+        output_attentions: bool = False,
+    ):
+        """lanes [B, T, L, D] (compute dtype) -> (lanes [B, T, L, D], kv_cache, attention weights or None).
+
+        lane_offsets = (pre, post) [L] float32: this layer's lane-ownership logit offsets.
+        """
+        b, t, n, d = lanes.shape
+        lanes_f32 = lanes.astype(jnp.float32)
+        unit = rms_unit(lanes.reshape(b, t, n * d), self.config.rms_norm_eps)  # [B, T, L*D]
+        pre, post, routing = self.hyper_connection(unit, *lane_offsets)
+        u = jnp.einsum("btl,btld->btd", pre, lanes_f32).astype(self.dtype)
+        y, kv_cache, weights = self.block(
+            u, cos, sin, key_mask, engram=engram, kv_cache=kv_cache, output_attentions=output_attentions
+        )
+        y = y - u
+        mixed = jnp.einsum("btij,btjd->btid", routing, lanes_f32) + post[..., None] * y.astype(jnp.float32)[:, :, None, :]
+        return mixed.astype(self.dtype), kv_cache, weights
+
+
+class FlaxNeedleEngram(nn.Module):
+    """Hashed n-gram memory for one engram site: keys and (dilated-conv) values per position.
+
+    The values convolve the value projections of the last `config.engram_conv_reach` positions,
+    which the caller keeps (the cache does, when decoding), so only new positions are projected.
+    """
+
+    config: NeedleConfig
+    dtype: jnp.dtype = jnp.float32
+
+    def setup(self):
+        cfg = self.config
+        self.tables = self.param(
+            "tables", _normal(cfg.initializer_range), (cfg.engram_num_tables, cfg.engram_slots, cfg.engram_sub_dim)
+        )
+        dense = partial(nn.Dense, cfg.hidden_size, use_bias=False, dtype=self.dtype)
+        self.key_proj = dense(kernel_init=_normal(cfg.initializer_range))
+        self.value_proj = dense(kernel_init=_normal(cfg.initializer_range / math.sqrt(2 * cfg.num_hidden_layers)))
+        self.conv_taps = self.param(
+            "conv_taps", lambda key, shape: jnp.zeros(shape).at[0].set(ENGRAM_FIRST_TAP_INIT), (cfg.engram_conv_taps, cfg.hidden_size)
+        )
+
+    def __call__(self, indices, ngram_visible, tap_visible, past_projected):
+        """Keys and values of T new positions.
+
+        indices, ngram_visible [B, T, tables]; tap_visible [taps, B, T] (is the position each tap
+        reads visible); past_projected [B, reach, D]: value projections of the positions before
+        these -> (keys [B, T, D], values [B, T, D], value projections of the last `reach` positions).
+        """
+        cfg = self.config
+        b, t, num_tables = indices.shape
+        reach = past_projected.shape[1]
+        rows = self.tables[jnp.arange(num_tables), indices]  # [B, T, tables, sub]
+        rows = rows * ngram_visible[..., None]
+        e = rows.reshape(b, t, num_tables * cfg.engram_sub_dim).astype(self.dtype)  # [B, T, E]
+        e = quantize_activations(e, cfg)  # deploy numerics hook
+        keys = self.key_proj(e)
+        projected = jnp.concatenate([past_projected.astype(self.dtype), self.value_proj(e)], axis=1)  # [B, reach + T, D]
+        taps = self.conv_taps.astype(self.dtype)
+        values = sum(
+            taps[j] * projected[:, reach - j * cfg.engram_conv_dilation :][:, :t] * tap_visible[j][..., None]
+            for j in range(cfg.engram_conv_taps)
+        )
+        return keys, values, projected[:, t:]
+
+
+def rematerialised(fn, *, activation_argument: int):
+    """`fn` whose backward pass recomputes its forward from the inputs instead of keeping activations.
+
+    As `jax.checkpoint`, but the recomputation waits for the output's cotangent: XLA's CPU pipeline
+    drops `jax.checkpoint`'s optimisation barriers before it schedules, and with the layers unrolled
+    it then recomputes every layer at the start of the backward pass, keeping all the activations
+    alive at once. Here the input `args[activation_argument]` (the activations `fn` reads; a float
+    array) gets one element of the cotangent times zero added, a data dependency XLA keeps (a
+    non-finite cotangent, which spoils the gradients anyway, then spoils all of them).
+    """
+
+    @jax.custom_vjp
+    def wrapped(*args):
+        return fn(*args)
+
+    def forward(*args):
+        return fn(*args), args
+
+    def backward(args, cotangent):
+        first = jax.tree.leaves(cotangent)[0].reshape(-1)[0]
+        args = list(args)
+        activations = args[activation_argument]
+        args[activation_argument] = activations + (first * 0).astype(activations.dtype)
+        return jax.vjp(fn, *args)[1](cotangent)
+
+    wrapped.defvjp(forward, backward)
+    return wrapped
+
+
+class FlaxNeedleLayerCollection(nn.Module):
+    """Decoder layers whose parameters are named per layer (`model.layers.{i}.*`).
+
+    The layers run unrolled, each reading its own parameters in place. (A `lax.scan` would compile
+    one layer body instead of `num_hidden_layers`, but it needs the parameters stacked: a 140 MB
+    copy per call at the Needle 2 size, plus a copy of each layer's slice per step; both cost more
+    time than the layers' own matmuls of a decoding step.) All layers are initialised by one vmapped
+    init of a standalone decoder layer, so initialising 27 layers costs one layer's compile. The
+    cache holds each layer's keys [B, K, H, S] and values [B, K, S, H] as `keys_{i}`/`values_{i}`.
+    With `gradient_checkpointing`, each layer's activations are recomputed in the backward pass
+    (`rematerialised`) instead of being kept.
+    """
+
+    config: NeedleConfig
+    dtype: jnp.dtype = jnp.float32
+    gradient_checkpointing: bool = False
+
+    def _layer(self) -> FlaxNeedleDecoderLayer:
+        return FlaxNeedleDecoderLayer(self.config, dtype=self.dtype, parent=None)
+
+    def _init_all_layers(self, rng):
+        """Initial parameters of every layer, stacked on a leading layer axis."""
+        cfg = self.config
+        lanes = jnp.zeros((1, 1, cfg.hyper_connection_lanes, cfg.hidden_size), self.dtype)
+        rope = jnp.zeros((1, 1, cfg.head_dim // 2), jnp.float32)
+        offsets = (jnp.zeros((cfg.hyper_connection_lanes,)), jnp.zeros((cfg.hyper_connection_lanes,)))
+        key_mask = jnp.ones((1, 1, 1), bool)
+        init_one = lambda r: self._layer().init(r, lanes, rope, rope, key_mask, offsets)["params"]  # noqa: E731
+        return unfreeze(jax.jit(jax.vmap(init_one))(jax.random.split(rng, cfg.num_hidden_layers)))
+
+    def _kv_cache_variables(self, lanes, init_cache: bool):
+        """Per-layer (keys, values) cache variables, or None when not decoding with a cache."""
+        cfg = self.config
+        if not (init_cache or self.has_variable("cache", "keys_0")):
+            return None
+        b, s = lanes.shape[:2]  # at init_cache, T is the cache length
+        kv, h = cfg.num_key_value_heads, cfg.head_dim
+        return [
+            (self.variable("cache", f"keys_{i}", jnp.zeros, (b, kv, h, s), self.dtype),
+             self.variable("cache", f"values_{i}", jnp.zeros, (b, kv, s, h), self.dtype))
+            for i in range(cfg.num_hidden_layers)
+        ]
+
+    @nn.compact
+    def __call__(
+        self, lanes, cos, sin, key_mask, memory, *, cache_index=None, init_cache: bool = False,
+        output_hidden_states: bool = False, output_attentions: bool = False,
+    ):
+        """lanes [B, T, L, D] -> (lanes after the last layer, lane means per layer, attention weights per layer).
+
+        memory: (engram keys, engram values) [sites, B, T, D], or None without engram sites.
+        The lane means ([B, T, D] each) and attention weights ([B, N, T, S] each) are tuples with
+        `output_hidden_states` / `output_attentions`, else None.
+        """
+        cfg = self.config
+        pre_offsets, post_offsets = hyper_connection_offsets(cfg.num_hidden_layers, cfg.hyper_connection_lanes)
+        site_of_layer = {layer: s for s, layer in enumerate(cfg.engram_layers)}
+        initial = self._init_all_layers(self.make_rng("params")) if self.is_initializing() else None
+        cache_vars = self._kv_cache_variables(lanes, init_cache)
+        caching = cache_vars is not None and not init_cache
+        layer_module = self._layer()
+
+        def run_layer(params, lora, lanes, offsets, engram, kv, cos, sin, key_mask):
+            variables = {"params": params} if lora is None else {"params": params, "lora": lora}
+            return layer_module.apply(
+                variables, lanes, cos, sin, key_mask, offsets,
+                engram=engram, kv_cache=kv, output_attentions=output_attentions,
+            )
+
+        if self.gradient_checkpointing:
+            run_layer = rematerialised(run_layer, activation_argument=2)  # lanes
+        lane_means, attentions = [], []
+        for i in range(cfg.num_hidden_layers):
+            params = self.param(str(i), lambda rng, i=i: jax.tree.map(lambda leaf: leaf[i], initial))
+            s = site_of_layer.get(i)
+            engram = None if s is None else (memory[0][s], memory[1][s])
+            kv = LayerKVCache(cache_vars[i][0].value, cache_vars[i][1].value, cache_index) if caching else None
+            lora = self.get_variable("lora", str(i))  # this layer's LoRA adapters, if any (fine-tuning)
+            lanes, kv, weights = run_layer(params, lora, lanes, (pre_offsets[i], post_offsets[i]), engram, kv,
+                                           cos, sin, key_mask)
+            if caching:
+                cache_vars[i][0].value, cache_vars[i][1].value = kv.keys, kv.values
+            lane_means.append(jnp.mean(lanes, axis=2))
+            attentions.append(weights)
+        return (
+            lanes,
+            tuple(lane_means) if output_hidden_states else None,
+            tuple(attentions) if output_attentions else None,
+        )
+
+
+class FlaxNeedleEngramCollection(nn.Module):
+    """Engram sites named "0", "1", ... so parameters read `model.engrams.{s}.*`.
+
+    When decoding with a cache, each site keeps the value projections of the last
+    `config.engram_conv_reach` positions as `projected_values_{s}` [B, reach, D].
+    """
+
+    config: NeedleConfig
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, indices, ngram_visible, tap_visible, *, init_cache: bool = False):
+        """(keys, values) [sites, B, T, D] for T new positions (inputs as `FlaxNeedleEngram`, without the past)."""
+        cfg = self.config
+        shape = (indices.shape[0], cfg.engram_conv_reach, cfg.hidden_size)
+        keys, values = [], []
+        for s in range(len(cfg.engram_layers)):
+            name = f"projected_values_{s}"
+            state = None
+            if init_cache or self.has_variable("cache", name):
+                state = self.variable("cache", name, jnp.zeros, shape, self.dtype)
+            past = jnp.zeros(shape, self.dtype) if state is None or init_cache else state.value
+            k, v, projected = FlaxNeedleEngram(cfg, dtype=self.dtype, name=str(s))(indices, ngram_visible, tap_visible, past)
+            if state is not None and not init_cache:
+                state.value = projected
+            keys.append(k)
+            values.append(v)
+        return jnp.stack(keys), jnp.stack(values)
+
+
+@flax.struct.dataclass
+class FlaxNeedleModelOutput(FlaxBaseModelOutput):
+    """`FlaxBaseModelOutput` with the decoding cache (the `cache` collection) when decoding with one."""
+
+    past_key_values: Optional[dict] = None
+
+
+class FlaxNeedleDecodeState(nn.Module):
+    """Decoding position and engram token history, kept in the `cache` collection.
+
+    Returns, for the T new tokens: the cache index of the first one (None without a cache), their
+    validity [B, T], and the engram context (tokens, validity) [B, C] = history + new tokens.
+    """
+
+    config: NeedleConfig
+
+    @nn.compact
+    def __call__(self, input_ids, attention_mask, *, init_cache: bool = False):
+        b, t = input_ids.shape
+        if not (init_cache or self.has_variable("cache", "cache_index")):
+            valid = attention_mask.astype(jnp.bool_)
+            return None, valid, input_ids, valid
+        history = self.config.engram_history
+        index = self.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
+        past_tokens = self.variable("cache", "engram_tokens", jnp.zeros, (b, history), jnp.int32)
+        past_valid = self.variable("cache", "engram_valid", jnp.zeros, (b, history), jnp.bool_)
+        start = index.value
+        if init_cache:
+            valid = attention_mask[:, :t].astype(jnp.bool_)
+        else:
+            valid = jax.lax.dynamic_slice(attention_mask, (0, start), (b, t)).astype(jnp.bool_)
+        context_tokens = jnp.concatenate([past_tokens.value, input_ids.astype(jnp.int32)], axis=1)  # [B, C]
+        context_valid = jnp.concatenate([past_valid.value, valid], axis=1)
+        if init_cache:
+            return None, valid, context_tokens, context_valid
+        index.value = start + t
+        past_tokens.value = context_tokens[:, context_tokens.shape[1] - history :]
+        past_valid.value = context_valid[:, context_valid.shape[1] - history :]
+        return start, valid, context_tokens, context_valid
+
+
+class FlaxNeedleModule(nn.Module):
+    """The Needle 2 backbone: embedding, engram memory, hyper-connected decoder layers, final norm."""
+
+    config: NeedleConfig
+    dtype: jnp.dtype = jnp.float32
+    gradient_checkpointing: bool = False
+
+    def setup(self):
+        cfg = self.config
+        self.embed_tokens = nn.Embed(cfg.vocab_size, cfg.hidden_size, embedding_init=_normal(cfg.initializer_range))
+        self.layers = FlaxNeedleLayerCollection(cfg, dtype=self.dtype, gradient_checkpointing=self.gradient_checkpointing)
+        self.engrams = FlaxNeedleEngramCollection(cfg, dtype=self.dtype) if cfg.engram_layers else None
+        self.norm = FlaxNeedleRMSNorm(cfg, dtype=self.dtype)
+        self.decode_state = FlaxNeedleDecodeState(cfg)
+
+    def embed(self, input_ids):
+        """Token embedding scaled by sqrt(D), in the parameter dtype. [B, T] -> [B, T, D]."""
+        return self.embed_tokens(input_ids) * math.sqrt(self.config.hidden_size)
+
+    def _engram_memory(self, context_tokens, context_valid, new_tokens: int, init_cache: bool):
+        """(keys, values) [sites, B, new_tokens, D] for the last `new_tokens` of the context [B, C]."""
+        cfg = self.config
+        if self.engrams is None:
+            return None
+        orders, heads = cfg.engram_orders, cfg.engram_num_heads
+        new = lambda x: x[:, x.shape[1] - new_tokens :]  # noqa: E731  (the new positions of a context array)
+        # Invisible (padded) positions hash as token 0, like positions before the start.
+        indices = engram_hash_indices(jnp.where(context_valid, context_tokens, 0), orders, heads, cfg.engram_slots)
+        ngram_visible = jnp.stack(
+            [shift_right(context_valid, o - 1, fill=False) for o in engram_table_orders(orders, heads)], -1
+        )
+        tap_visible = jnp.stack(
+            [new(shift_right(context_valid, j * cfg.engram_conv_dilation, fill=False)) for j in range(cfg.engram_conv_taps)]
+        )
+        return self.engrams(new(indices), new(ngram_visible), tap_visible, init_cache=init_cache)
+
+    def __call__(
+        self,
+        input_ids,
+        attention_mask,
+        position_ids,
+        *,
+        init_cache: bool = False,
+        output_attentions: bool = False,
+        output_hidden_states: bool = False,
+        return_dict: bool = True,
+    ):
+        """input_ids/attention_mask/position_ids [B, T] (attention_mask [B, S] when decoding with a cache).
+
+        hidden_states: (x0, lane mean after each layer), each [B, T, D]; attentions: per layer [B, N, T, S].
+        """
+        cfg = self.config
+        b, t = input_ids.shape
+        cache_index, _, context_tokens, context_valid = self.decode_state(input_ids, attention_mask, init_cache=init_cache)
+        key_mask = attention_allowed(attention_mask, 0 if cache_index is None else cache_index, t,
+                                     window=self.config.attention_window)
+        cos, sin = rope_tables(position_ids, cfg.head_dim, cfg.rope_theta)
+
+        x0 = self.embed(input_ids)  # [B, T, D], parameter dtype
+        memory = self._engram_memory(context_tokens, context_valid, t, init_cache)
+        lanes = jnp.broadcast_to(x0.astype(self.dtype)[:, :, None, :], (b, t, cfg.hyper_connection_lanes, cfg.hidden_size))
+        lanes, lane_means, attentions = self.layers(
+            lanes, cos, sin, key_mask, memory, cache_index=cache_index, init_cache=init_cache,
+            output_hidden_states=output_hidden_states, output_attentions=output_attentions,
+        )
+        last = self.norm(jnp.mean(lanes, axis=2))  # [B, T, D]
+        hidden_states = (x0,) + lane_means if output_hidden_states else None
+        if not return_dict:
+            return tuple(v for v in (last, hidden_states, attentions) if v is not None)
+        return FlaxNeedleModelOutput(last_hidden_state=last, hidden_states=hidden_states, attentions=attentions)
+
+
+class FlaxNeedleMTPHead(nn.Module):
+    """Multi-token prediction: from h_t and the embedding of token t+1, predict token t+2."""
+
+    config: NeedleConfig
+    dtype: jnp.dtype = jnp.float32
+
+    def setup(self):
+        cfg = self.config
+        self.embed_norm = FlaxNeedleRMSNorm(cfg, dtype=self.dtype)
+        self.combine_proj = nn.Dense(cfg.hidden_size, use_bias=False, dtype=self.dtype, kernel_init=_normal(cfg.initializer_range))
+        self.block = FlaxNeedleBlock(cfg, dtype=self.dtype)
+        self.norm = FlaxNeedleRMSNorm(cfg, dtype=self.dtype)
+
+    def __call__(self, hidden, next_token_embeddings, cos, sin, key_mask):
+        """hidden [B, T, D] (final-normed), next_token_embeddings [B, T, D] -> [B, T, D]."""
+        return self.cached(hidden, next_token_embeddings, cos, sin, key_mask, kv_cache=None)[0]
+
+    def cached(self, hidden, next_token_embeddings, cos, sin, key_mask, *, kv_cache: Optional[LayerKVCache]):
+        """As `__call__`, the block attending over its own cache (MTP decoding) -> ([B, T, D], kv_cache)."""
+        combined = jnp.concatenate([hidden, self.embed_norm(next_token_embeddings)], axis=-1)
+        combined = quantize_activations(combined, self.config)  # deploy numerics hook
+        m = self.combine_proj(combined)
+        out, kv_cache, _ = self.block.block(m, cos, sin, key_mask, kv_cache=kv_cache)
+        return self.norm(out), kv_cache
+
+
+class FlaxNeedleContrastiveHead(nn.Module):
+    """Tool-retrieval embedding: probe pooling, a projection, L2 normalisation, plus a learned log-temperature."""
+
+    config: NeedleConfig
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, cells, keep):
+        """-> (unit-norm embedding [B, contrastive_dim], log_temperature scalar)."""
+        cfg = self.config
+        probes = self.param("probes", _normal(cfg.initializer_range), (CONTRASTIVE_PROBES, cfg.hidden_size))
+        pooled = probe_pool(cells, keep, probes).astype(self.dtype)
+        p = nn.Dense(cfg.contrastive_dim, use_bias=False, dtype=self.dtype, kernel_init=_normal(cfg.initializer_range), name="proj")(pooled)
+        log_temperature = self.param("log_temperature", nn.initializers.constant(math.log(CONTRASTIVE_TEMPERATURE_INIT)), ())
+        norm = jnp.sqrt(jnp.sum(p.astype(jnp.float32) ** 2, axis=-1, keepdims=True) + CONTRASTIVE_NORM_EPS)
+        return p / norm.astype(p.dtype), log_temperature
+
+
+class FlaxNeedleConfidenceHead(nn.Module):
+    """Answer-confidence logit: probe pooling and an affine map to one float32 logit per sequence."""
+
+    config: NeedleConfig
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, cells, keep):
+        """-> confidence logit [B] float32."""
+        cfg = self.config
+        probes = self.param("probes", _normal(cfg.initializer_range), (CONFIDENCE_PROBES, cfg.hidden_size))
+        pooled = probe_pool(cells, keep, probes).astype(self.dtype)
+        logit = nn.Dense(1, use_bias=True, dtype=self.dtype, kernel_init=_normal(cfg.initializer_range), name="proj")(pooled)
+        return logit[..., 0].astype(jnp.float32)
+
+
+class FlaxNeedleForCausalLMModule(nn.Module):
+    """The backbone with its tied output head, the MTP head and the optional pooling heads."""
+
+    config: NeedleConfig
+    dtype: jnp.dtype = jnp.float32
+    gradient_checkpointing: bool = False
+
+    def setup(self):
+        cfg = self.config
+        self.model = FlaxNeedleModule(cfg, dtype=self.dtype, gradient_checkpointing=self.gradient_checkpointing)
+        self.mtp = FlaxNeedleMTPHead(cfg, dtype=self.dtype) if cfg.use_mtp_head else None
+        self.contrastive_head = FlaxNeedleContrastiveHead(cfg, dtype=self.dtype) if cfg.use_contrastive_head else None
+        self.confidence_head = FlaxNeedleConfidenceHead(cfg, dtype=self.dtype) if cfg.use_confidence_head else None
+
+    def tied_logits(self, hidden):
+        """Tied output head in float32 (the token embedding; PyTorch names it `lm_head` too): [B, T, D] -> [B, T, V]."""
+        embedding = self.model.variables["params"]["embed_tokens"]["embedding"]
+        hidden = quantize_activations(hidden, self.config)  # deploy numerics hook
+        return hidden.astype(jnp.float32) @ embedding.T.astype(jnp.float32)
+
+    def __call__(
+        self,
+        input_ids,
+        attention_mask,
+        position_ids,
+        *,
+        init_cache: bool = False,
+        output_attentions: bool = False,
+        output_hidden_states: bool = False,
+        output_mtp_logits: bool = False,
+        return_dict: bool = True,
+    ):
+        outputs = self.model(
+            input_ids, attention_mask, position_ids, init_cache=init_cache,
+            output_attentions=output_attentions, output_hidden_states=output_hidden_states,
+        )
+        hidden = outputs.last_hidden_state
+        logits = self.tied_logits(hidden)
+        mtp_logits = None
+        if output_mtp_logits or self.is_initializing():
+            mtp_logits = self.mtp_logits(input_ids, attention_mask, position_ids, hidden) if self.mtp is not None else None
+            if self.is_initializing():
+                self._touch_heads(input_ids)
+        if not return_dict:
+            return tuple(v for v in (logits, mtp_logits, outputs.hidden_states, outputs.attentions) if v is not None)
+        return FlaxNeedleCausalLMOutput(
+            logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions, mtp_logits=mtp_logits
+        )
+
+    def mtp_logits(self, input_ids, attention_mask, position_ids, hidden):
+        """MTP logits [B, T, V] of a full sequence (input_ids and attention_mask both [B, T])."""
+        if input_ids.shape[1] != attention_mask.shape[1]:
+            raise ValueError("MTP logits are computed on a full sequence, not while decoding with a cache")
+        cfg = self.config
+        next_ids = jnp.pad(input_ids[:, 1:], ((0, 0), (0, 1)))
+        cos, sin = rope_tables(position_ids, cfg.head_dim, cfg.rope_theta)
+        key_mask = attention_allowed(attention_mask, 0, input_ids.shape[1], window=self.config.attention_window)
+        return self.tied_logits(self.mtp(hidden, self.model.embed(next_ids), cos, sin, key_mask))
+
+    def hidden_and_logits(self, input_ids, attention_mask, position_ids):
+        """Final-normed hidden [B, T, D] and logits [B, T, V] (MTP decoding drafts from the hidden states)."""
+        hidden = self.model(input_ids, attention_mask, position_ids).last_hidden_state
+        return hidden, self.tied_logits(hidden)
+
+    def mtp_draft_logits(self, hidden, next_ids, position_ids, attention_mask, kv_cache: LayerKVCache, pick):
+        """MTP logits [B, V] of new position ``pick`` (may be traced) of T at ``kv_cache.write_index``, the
+        MTP block over its own cache: hidden [B, T, D] and the ids of the tokens after them [B, T];
+        attention_mask [B, S]. -> (logits, kv_cache)."""
+        cfg = self.config
+        cos, sin = rope_tables(position_ids, cfg.head_dim, cfg.rope_theta)
+        key_mask = attention_allowed(attention_mask, kv_cache.write_index, next_ids.shape[1], window=cfg.attention_window)
+        predicted, kv_cache = self.mtp.cached(hidden, self.model.embed(next_ids), cos, sin, key_mask, kv_cache=kv_cache)
+        return self.tied_logits(jax.lax.dynamic_index_in_dim(predicted, pick, axis=1, keepdims=False)), kv_cache
+
+    def _touch_heads(self, input_ids):
+        if self.contrastive_head is not None:
+            self.contrastive_embedding(input_ids, None)
+        if self.confidence_head is not None:
+            self.confidence_logit(input_ids, None)
+
+    def hidden_cells(self, input_ids, attention_mask):
+        """[x0, lane mean after each layer] -> cells [B, T, layers + 1, D] and the keep mask [B, T]."""
+        if attention_mask is None:
+            attention_mask = (input_ids != self.config.pad_token_id).astype(jnp.int32)
+        b, t = input_ids.shape
+        position_ids = jnp.broadcast_to(jnp.arange(t)[None], (b, t))
+        outputs = self.model(input_ids, attention_mask, position_ids, output_hidden_states=True)
+        cells = jnp.stack(outputs.hidden_states, axis=2)
+        return jax.lax.stop_gradient(cells), attention_mask.astype(jnp.bool_)
+
+    def contrastive_embedding(self, input_ids, attention_mask):
+        if self.contrastive_head is None:
+            raise ValueError("this checkpoint has no contrastive head (config.use_contrastive_head is False)")
+        return self.contrastive_head(*self.hidden_cells(input_ids, attention_mask))
+
+    def confidence_logit(self, input_ids, attention_mask):
+        if self.confidence_head is None:
+            raise ValueError("this checkpoint has no confidence head (config.use_confidence_head is False)")
+        return self.confidence_head(*self.hidden_cells(input_ids, attention_mask))
+
+
+# --------------------------------------------------------------------------------------------------
+# HF wrappers
+
+
+SAFE_WEIGHTS_NAME = "model.safetensors"
+
+
+def _hf_name(flax_path: tuple[str, ...], prefix: str) -> tuple[str, bool]:
+    """(HF tensor name, whether the tensor is the transpose) of a Flax parameter path.
+
+    Flax names follow the HF module tree; only the leaf differs: a Dense `kernel` [in, out] is the
+    transposed PyTorch `weight` [out, in], and the token embedding's `embedding` is its `weight`.
+    """
+    *modules, leaf = flax_path
+    if leaf in ("kernel", "embedding"):
+        return prefix + ".".join((*modules, "weight")), leaf == "kernel"
+    return prefix + ".".join(flax_path), False
+
+
+def _flax_path(hf_name: str, ndim: int, prefix: str) -> tuple[tuple[str, ...], bool]:
+    """Inverse of `_hf_name`: every 2-D `weight` of the table is a Dense kernel but the embedding's."""
+    *modules, leaf = hf_name[len(prefix):].split(".")
+    if leaf == "weight" and ndim == 2:
+        is_embedding = modules[-1:] == ["embed_tokens"]
+        return (*modules, "embedding" if is_embedding else "kernel"), not is_embedding
+    return (*modules, leaf), False
+
+
+def flax_params_to_hf(params, config: NeedleConfig, *, prefix: str = "") -> dict[str, np.ndarray]:
+    """Flax parameters -> HF-named PyTorch-layout numpy tensors (Dense kernels transposed).
+
+    `prefix` is prepended to every name ("model." for the bare backbone). The result is checked
+    against the weight-name table, so a layout drift raises instead of writing a bad file.
+    """
+    tensors = {}
+    for path, leaf in flatten_dict(unfreeze(params)).items():
+        name, transposed = _hf_name(path, prefix)
+        leaf = np.asarray(leaf.T if transposed else leaf)
+        tensors[name] = np.ascontiguousarray(leaf) if leaf.ndim else leaf
+    check_weights(
+        {k: v.shape for k, v in tensors.items()}, hf_weight_shapes(config, prefix=prefix), where="model parameters"
+    )
+    return tensors
+
+
+def _read_checked_weights(weights: str, config: NeedleConfig, *, prefix: str) -> dict:
+    """The Flax parameter tree of a PyTorch-layout safetensors file, after checking every name and shape.
+
+    The bare backbone (`prefix` "model.") reads the backbone of a causal-LM file and leaves its heads.
+    """
+    from safetensors import safe_open
+
+    with safe_open(weights, framework="flax") as handle:
+        layout = (handle.metadata() or {}).get("format")
+        if layout != "pt":
+            raise NeedleWeightsError(
+                f"{weights}: expected PyTorch-layout safetensors (metadata format 'pt'), found format {layout!r}"
+            )
+        stored = set(handle.keys())
+        # A tied alias (`lm_head.weight`, written by a tool that stores tied tensors twice) names the
+        # embedding again: checked equal to it, then left unread.
+        if stored & TIED_WEIGHTS.keys():
+            pairs = [name for name in (*TIED_WEIGHTS, *TIED_WEIGHTS.values()) if name in stored]
+            check_tied_values({name: np.asarray(handle.get_tensor(name)) for name in pairs}, where=weights)
+        found = without_tied_aliases({name: tuple(handle.get_slice(name).get_shape()) for name in stored})
+        check_weights(
+            found,
+            hf_weight_shapes(config, prefix=prefix),
+            where=weights,
+            ignore_unexpected_prefixes=HEAD_PREFIXES if prefix else (),
+        )
+        params = {}
+        for name, shape in found.items():
+            if name.startswith(prefix):
+                path, transposed = _flax_path(name, len(shape), prefix)
+                tensor = handle.get_tensor(name)
+                params[path] = tensor.T if transposed else tensor
+    return unflatten_dict(params)
+
+
+_FLOAT_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def auto_class_dtype_request(config_dtype) -> bool:
+    """Whether a config's `dtype` is a Flax Auto class's `dtype=` argument rather than the weight dtype
+    config.json records (a name, or the torch dtype 4.57 turns that name into)."""
+    return config_dtype is not None and not isinstance(config_dtype, str) and type(config_dtype).__module__ != "torch"
+
+
+def compute_dtype(dtype, *, config_dtype=None):
+    """The Flax compute dtype for `from_pretrained`, from every spelling users and the Auto classes use.
+
+    transformers 4.57's `FlaxAutoModel*.from_pretrained(path, dtype=jnp.bfloat16)` hands `dtype` to
+    `AutoConfig`, which keeps it as the config attribute `dtype`; the model class then sees it only
+    there (`config_dtype`), so a JAX/NumPy dtype found on the config is the caller's request.
+
+    Args:
+        dtype: None (float32, or the Auto classes' request), `"auto"` (the config's recorded weight
+            dtype, float32 if none), a JAX/NumPy dtype, or a name (`"bfloat16"`, `"torch.bfloat16"`).
+        config_dtype: the config's `dtype` attribute.
+
+    Returns:
+        The `jnp.dtype`; a dtype outside float32/bfloat16/float16 raises `ValueError`.
+    """
+    if dtype is None:
+        dtype = config_dtype if auto_class_dtype_request(config_dtype) else jnp.float32
+    elif isinstance(dtype, str) and dtype == "auto":
+        dtype = config_dtype or jnp.float32
+    name = str(dtype).removeprefix("torch.") if isinstance(dtype, str) or type(dtype).__module__ == "torch" else None
+    try:
+        resolved = jnp.dtype(name if name is not None else dtype)
+    except TypeError:
+        resolved = None
+    if resolved is None or resolved.name not in _FLOAT_DTYPES:
+        raise ValueError(f"dtype: expected one of {', '.join(_FLOAT_DTYPES)} (or \"auto\"), got {dtype!r}")
+    return resolved
+
+
+class FlaxNeedlePreTrainedModel(FlaxPreTrainedModel):
+    """Weight init, cache init and the call interface shared by the Flax Needle models.
+
+    Weights are saved and read as one PyTorch-layout `model.safetensors` (metadata `format: pt`),
+    the file the PyTorch model reads too; loading checks every tensor name and shape first
+    (`weight_names.check_weights`, raising `NeedleWeightsError`).
+    """
+
+    config_class = NeedleConfig
+    base_model_prefix = "model"
+    module_class: nn.Module = None
+    # Name prefix of this class's tensors inside a causal-LM weight file.
+    _weights_prefix = ""
+
+    def __init__(
+        self,
+        config: NeedleConfig,
+        input_shape: tuple = (1, 1),
+        seed: int = 0,
+        dtype: jnp.dtype = jnp.float32,
+        _do_init: bool = True,
+        *,
+        gradient_checkpointing: bool = False,
+        _loaded_params: Optional[dict] = None,
+    ):
+        # `from_pretrained` passes the parameters it read (checked against the weight table), which
+        # then stand in for the initial values: no random init is compiled or allocated.
+        self._loaded_params = _loaded_params
+        module = self.module_class(config=config, dtype=dtype, gradient_checkpointing=gradient_checkpointing)
+        super().__init__(config, module, input_shape=input_shape, seed=seed, dtype=dtype, _do_init=_do_init)
+
+    def enable_gradient_checkpointing(self):
+        """Recompute each decoder layer's activations in the backward pass instead of keeping them."""
+        self._module = self.module_class(config=self.config, dtype=self.dtype, gradient_checkpointing=True)
+
+    def init_weights(self, rng: jax.random.PRNGKey, input_shape: tuple, params: FrozenDict = None) -> FrozenDict:
+        if self._loaded_params is not None and params is None:
+            return freeze(self._loaded_params)
+        input_ids = jnp.zeros(input_shape, dtype="i4")
+        attention_mask = jnp.ones_like(input_ids)
+        position_ids = jnp.broadcast_to(jnp.arange(input_shape[-1]), input_shape)
+        random_params = jax.jit(partial(self.module.init, {"params": rng}, input_ids, attention_mask, position_ids))()["params"]
+        if params is None:
+            return random_params
+        random_params = flatten_dict(unfreeze(random_params))
+        params = flatten_dict(unfreeze(params))
+        for missing_key in self._missing_keys:
+            params[missing_key] = random_params[missing_key]
+        self._missing_keys = set()
+        return freeze(unflatten_dict(params))
+
+    def save_pretrained(
+        self,
+        save_directory,
+        params=None,
+        push_to_hub: bool = False,
+        *,
+        token=None,
+        repo_id: Optional[str] = None,
+        commit_message: Optional[str] = None,
+        private: Optional[bool] = None,
+        safe_serialization: bool = True,
+        max_shard_size=None,
+    ):
+        """Write `config.json`, `generation_config.json` and a PyTorch-layout `model.safetensors`.
+
+        Needle's weights (under 200 MB at the Needle 2 size) are always one safetensors file, so
+        `max_shard_size` (accepted because `push_to_hub` passes it) does not split them, and
+        `safe_serialization=False` (a msgpack file) is refused.
+        """
+        from safetensors.numpy import save_file
+
+        if not safe_serialization:
+            raise ValueError("Needle saves PyTorch-layout safetensors only; safe_serialization=False is not supported")
+        if os.path.isfile(save_directory):
+            raise ValueError(f"{save_directory} is a file; save_pretrained needs a directory")
+        os.makedirs(save_directory, exist_ok=True)
+        if push_to_hub:
+            repo_id = repo_id or str(save_directory).rstrip(os.sep).split(os.sep)[-1]
+            repo_id = self._create_repo(repo_id, private=private, token=token)
+            files_timestamps = self._get_files_timestamps(save_directory)
+        self.config.architectures = [type(self).__name__[len("Flax"):]]
+        if self._auto_class is not None:
+            from transformers.dynamic_module_utils import custom_object_save
+
+            custom_object_save(self, save_directory, config=self.config)
+        self.config.save_pretrained(save_directory)
+        if self.can_generate():
+            self.generation_config.save_pretrained(save_directory)
+        tensors = flax_params_to_hf(params if params is not None else self.params, self.config, prefix=self._weights_prefix)
+        save_file(tensors, os.path.join(save_directory, SAFE_WEIGHTS_NAME), metadata={"format": "pt"})
+        stale = os.path.join(save_directory, "flax_model.msgpack")
+        if os.path.exists(stale):
+            os.remove(stale)
+        if push_to_hub:
+            self._upload_modified_files(
+                save_directory, repo_id, files_timestamps, commit_message=commit_message, token=token
+            )
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        pretrained_model_name_or_path,
+        *,
+        config: Optional[NeedleConfig] = None,
+        dtype=None,
+        input_shape: tuple = (1, 1),
+        seed: int = 0,
+        _do_init: bool = True,
+        gradient_checkpointing: bool = False,
+        cache_dir=None,
+        force_download: bool = False,
+        local_files_only: bool = False,
+        token=None,
+        revision: str = "main",
+        subfolder: str = "",
+        proxies=None,
+        resume_download=None,
+        _commit_hash: Optional[str] = None,
+        trust_remote_code: Optional[bool] = None,
+        adapter_kwargs: Optional[dict] = None,
+        _from_auto: bool = False,
+        _from_pipeline: Optional[str] = None,
+        **config_overrides,
+    ):
+        """Read a folder or Hub repository holding `config.json` and a PyTorch-layout `model.safetensors`.
+
+        Every tensor is checked against the config first: a missing, unexpected or mis-shaped one
+        raises `NeedleWeightsError` instead of being re-initialised. Keyword arguments that are
+        `NeedleConfig` fields override the saved config (others raise `TypeError`); a checkpoint
+        without the optional heads (a saved `FlaxNeedleModel`) loads into the causal LM with
+        `use_mtp_head=False` (and `use_contrastive_head` / `use_confidence_head` False).
+
+        Args:
+            dtype: the compute dtype (a JAX/NumPy float dtype or its name; `"auto"` = the dtype the
+                folder's config records, float32 if none); parameters keep the dtype they are stored
+                in. Default float32, or the dtype the Auto classes pass inside `config` (see
+                `compute_dtype`).
+            _do_init: False returns `(model, params)` with the parameters outside the model, as
+                transformers' Flax models do.
+            gradient_checkpointing: recompute layer activations in the backward pass.
+            cache_dir, force_download, local_files_only, token, revision, subfolder, proxies,
+                _commit_hash: where and how to fetch the files (`transformers.utils.cached_file`).
+            resume_download, trust_remote_code, _from_auto, _from_pipeline: passed by the Auto
+                classes and pipelines; no effect here (downloads always resume, and this code is the
+                installed package's).
+            adapter_kwargs: passed by the Auto classes; a PEFT adapter folder is refused (adapters
+                load into the PyTorch model).
+        """
+        from transformers import GenerationConfig
+        from transformers.utils import cached_file
+
+        if adapter_kwargs and "_adapter_model_path" in adapter_kwargs:
+            raise ValueError(
+                f"{adapter_kwargs['_adapter_model_path']} is a PEFT adapter; adapters load into the PyTorch "
+                "NeedleForCausalLM (peft), not the Flax model"
+            )
+        hub_kwargs = dict(
+            cache_dir=cache_dir, force_download=force_download, local_files_only=local_files_only,
+            token=token, revision=revision, subfolder=subfolder, proxies=proxies, _commit_hash=_commit_hash,
+        )
+        if config is None:
+            config, unused = NeedleConfig.from_pretrained(
+                pretrained_model_name_or_path, return_unused_kwargs=True, **hub_kwargs, **config_overrides
+            )
+        dtype = compute_dtype(dtype, config_dtype=getattr(config, "dtype", None))
+        if config is not None:
+            config_dict = config.to_dict()
+            if auto_class_dtype_request(getattr(config, "dtype", None)):
+                # the Auto classes' `dtype=` (a JAX dtype, not a weight dtype name): taken above
+                config_dict.pop("dtype", None)
+                config_dict.pop("torch_dtype", None)
+            config = NeedleConfig.from_dict(config_dict)
+            unused = {k: v for k, v in config_overrides.items() if not hasattr(config, k)}
+            for key, value in config_overrides.items():
+                if key not in unused:
+                    setattr(config, key, value)
+        if unused:
+            raise TypeError(
+                f"{cls.__name__}.from_pretrained got unexpected keyword argument(s) {sorted(unused)} "
+                "(neither loading options nor NeedleConfig fields)"
+            )
+        weights = cached_file(pretrained_model_name_or_path, SAFE_WEIGHTS_NAME, **hub_kwargs)
+        params = _read_checked_weights(weights, config, prefix=cls._weights_prefix)
+        model = cls(
+            config, input_shape=input_shape, seed=seed, dtype=dtype, _do_init=_do_init,
+            gradient_checkpointing=gradient_checkpointing, _loaded_params=params,
+        )
+        model._loaded_params = None  # the model holds them now (or the caller does, without init)
+        if model.can_generate():
+            try:
+                model.generation_config = GenerationConfig.from_pretrained(pretrained_model_name_or_path, **hub_kwargs)
+            except OSError:  # no generation_config.json: keep the one derived from the config
+                pass
+        return model if _do_init else (model, freeze(params))
+
+    def init_cache(self, batch_size: int, max_length: int):
+        """An empty `cache` collection for decoding up to `max_length` positions."""
+        input_ids = jnp.zeros((batch_size, max_length), jnp.int32)
+        attention_mask = jnp.ones_like(input_ids)
+        position_ids = jnp.broadcast_to(jnp.arange(max_length), input_ids.shape)
+        variables = jax.eval_shape(
+            lambda: self.module.init(jax.random.PRNGKey(0), input_ids, attention_mask, position_ids, init_cache=True)
+        )
+        return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), unfreeze(variables["cache"]))
+
+    def _prepare_call(self, input_ids, attention_mask, position_ids, past_key_values):
+        input_ids = jnp.asarray(input_ids, dtype="i4")
+        b, t = input_ids.shape
+        if attention_mask is None:
+            attention_mask = jnp.ones((b, t), "i4")
+        if position_ids is None:
+            if past_key_values is not None:
+                raise ValueError("pass `position_ids` when decoding with `past_key_values`")
+            position_ids = jnp.clip(jnp.cumsum(attention_mask, axis=-1) - 1, 0)
+        if past_key_values is None and t > self.config.max_position_embeddings:
+            raise ValueError(
+                f"sequence of {t} tokens exceeds max_position_embeddings={self.config.max_position_embeddings}"
+            )
+        return input_ids, jnp.asarray(attention_mask, "i4"), jnp.asarray(position_ids, "i4")
+
+    def __call__(
+        self,
+        input_ids,
+        attention_mask=None,
+        position_ids=None,
+        params: Optional[dict] = None,
+        past_key_values: Optional[dict] = None,
+        dropout_rng: jax.random.PRNGKey = None,
+        train: bool = False,
+        output_attentions: Optional[bool] = None,
+        output_hidden_states: Optional[bool] = None,
+        return_dict: Optional[bool] = None,
+        *,
+        output_mtp_logits: bool = False,
+        lora: Optional[dict] = None,
+    ):
+        """Run the model on input_ids [B, T] (see the module classes for the outputs).
+
+        `dropout_rng` and `train` belong to the Flax models' calling convention; Needle has no
+        dropout, so they change nothing. `attentions` (with `output_attentions`) are the attention
+        probabilities per layer, [B, N, T, S] float32. `lora`: LoRA adapters as a `lora` variable
+        collection, nested like the params (`{"model": {"layers": {"0": {"self_attn": {"q_proj":
+        {"A": [in, r], "B": [r, out]}}}}}}`, B scaled by alpha / r), applied beside the kernels of
+        those projections (see `FlaxNeedleLinear`; `needle_hf.finetune.trainer_flax` builds it).
+        """
+        output_attentions = output_attentions if output_attentions is not None else self.config.output_attentions
+        output_hidden_states = (
+            output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
+        )
+        return_dict = return_dict if return_dict is not None else self.config.return_dict
+        if output_mtp_logits and past_key_values is not None:
+            raise ValueError("MTP logits are computed on a full sequence, not while decoding with a cache")
+        input_ids, attention_mask, position_ids = self._prepare_call(input_ids, attention_mask, position_ids, past_key_values)
+        variables = {"params": params or self.params}
+        variables["params"] = training_weights(variables["params"], self.config, train=train)  # deploy numerics hook
+        if lora is not None:
+            if train and self.config.deploy_numerics:
+                # QAT quantises the merged kernel W + s * A @ B, which an adapter beside W never forms.
+                raise ValueError("lora: pass the merged params (finetune_flax.merge_lora) to train under deploy numerics")
+            variables["lora"] = lora
+        options = dict(output_attentions=output_attentions, output_hidden_states=output_hidden_states, return_dict=return_dict)
+        if self.module_class is FlaxNeedleForCausalLMModule:
+            options["output_mtp_logits"] = output_mtp_logits
+        if past_key_values is not None:
+            variables["cache"] = past_key_values
+            outputs, updated = self.module.apply(
+                variables, input_ids, attention_mask, position_ids, mutable=["cache"], **options
+            )
+            cache = unfreeze(updated["cache"])
+            if return_dict:
+                return outputs.replace(past_key_values=cache)
+            return outputs[:1] + (cache,) + outputs[1:]
+        return self.module.apply(variables, input_ids, attention_mask, position_ids, **options)
+
+
+class FlaxNeedleModel(FlaxNeedlePreTrainedModel):
+    """The bare Needle 2 backbone; `last_hidden_state` is the final-normed lane mean."""
+
+    module_class = FlaxNeedleModule
+    _weights_prefix = "model."
+
+
+class FlaxNeedleForCausalLM(FlaxNeedlePreTrainedModel):
+    """Needle 2 with its tied language-model head, the MTP head and (when present) the pooling heads."""
+
+    module_class = FlaxNeedleForCausalLMModule
+
+    def prepare_inputs_for_generation(self, input_ids, max_length, attention_mask: Optional[jax.Array] = None):
+        batch_size, prompt_length = input_ids.shape
+        if max_length > self.config.max_position_embeddings:
+            raise ValueError(
+                f"prompt ({prompt_length} tokens) plus new tokens reach {max_length} positions, more than "
+                f"max_position_embeddings={self.config.max_position_embeddings}; shorten the prompt or max_new_tokens"
+            )
+        past_key_values = self.init_cache(batch_size, max_length)
+        extended_mask = jnp.ones((batch_size, max_length), dtype="i4")
+        if attention_mask is not None:
+            position_ids = jnp.clip(attention_mask.cumsum(axis=-1) - 1, 0)
+            extended_mask = jax.lax.dynamic_update_slice(extended_mask, attention_mask.astype("i4"), (0, 0))
+        else:
+            position_ids = jnp.broadcast_to(jnp.arange(prompt_length, dtype="i4")[None, :], (batch_size, prompt_length))
+        return {"past_key_values": past_key_values, "attention_mask": extended_mask, "position_ids": position_ids}
+
+    def update_inputs_for_generation(self, model_outputs, model_kwargs):
+        model_kwargs["past_key_values"] = model_outputs.past_key_values
+        model_kwargs["position_ids"] = model_kwargs["position_ids"][:, -1:] + 1
+        return model_kwargs
+
+    def generate(self, input_ids, generation_config=None, prng_key=None, trace: bool = True, params=None,
+                 logits_processor=None, *, use_mtp: Optional[bool] = None, **kwargs):
+        """`FlaxGenerationMixin.generate`; with ``use_mtp=True`` (argument or generation config), decoding
+        with MTP self-speculation (`speculative_flax`): greedy gives the same tokens, sampling
+        (``do_sample=True``, seeded by ``prng_key``) the same distribution, with fewer backbone
+        forwards, returned as a `FlaxMTPGenerateOutput` (sequences and draft counts).
+
+        Either way the layers run on `with_decoding_kernels` of the params (q, k, v and gate kernels
+        concatenated once per call, one matmul per decoding step)."""
+        if use_mtp is None:
+            use_mtp = getattr(generation_config if generation_config is not None else self.generation_config,
+                              "use_mtp", None)
+        params = with_decoding_kernels(params if params is not None else self.params, self.config)
+        if not use_mtp:
+            return super().generate(input_ids, generation_config, prng_key, trace, params, logits_processor, **kwargs)
+        from .speculative_flax import mtp_generate, resolve_generation
+
+        max_length, eos, pad, processors, warpers, mask = resolve_generation(self, input_ids, generation_config,
+                                                                             logits_processor, kwargs)
+        return mtp_generate(self, input_ids, mask, max_length=max_length, eos_token_id=eos, pad_token_id=pad,
+                            logits_processor=processors, logits_warper=warpers, prng_key=prng_key, params=params,
+                            trace=trace)
+
+    def _apply_method(self, method, input_ids, attention_mask, params):
+        input_ids = jnp.asarray(input_ids, "i4")
+        mask = None if attention_mask is None else jnp.asarray(attention_mask, "i4")
+        return self.module.apply({"params": params or self.params}, input_ids, mask, method=method)
+
+    def contrastive_embedding(self, input_ids, attention_mask=None, params=None):
+        """Tool-retrieval embedding: (unit-norm [B, contrastive_dim], log_temperature).
+
+        Without `attention_mask`, tokens equal to `pad_token_id` are treated as padding (as the reference does).
+        """
+        return self._apply_method(FlaxNeedleForCausalLMModule.contrastive_embedding, input_ids, attention_mask, params)
+
+    def confidence_logit(self, input_ids, attention_mask=None, params=None):
+        """Confidence logit [B] (float32) of the confidence head."""
+        return self._apply_method(FlaxNeedleForCausalLMModule.confidence_logit, input_ids, attention_mask, params)
+
+
+__all__ = ["FlaxNeedleForCausalLM", "FlaxNeedleModel", "FlaxNeedlePreTrainedModel", "FlaxNeedleCausalLMOutput"]

@@ -1,0 +1,1571 @@
+"""PyTorch Needle 2 (Cactus Compute's Simple Attention Network) for Hugging Face Transformers.
+
+The forward pass reproduces the reference implementation (cactus-needle 2.x) step by step:
+
+1. ``x0 = E[tokens] * sqrt(d)``.
+2. Engram memory: each engram site hashes the n-grams ending at every position into its tables,
+   projects the fetched rows to a key and a value, and smooths the value with a causal dilated
+   convolution. The layer that owns the site adds ``sigmoid(<u, key> / sqrt(d)) * value`` to its
+   input.
+3. Hyper-connections: the residual stream is ``hyper_connection_lanes`` lanes; every layer reads a
+   mix of the lanes, runs the block on it and writes the result back through a Sinkhorn-normalised
+   lane-mixing matrix.
+4. The block: zero-centred RMS norms (gain ``1 + weight``), grouped-query attention with q/k norms,
+   half-split RoPE and a sigmoid output gate, a scalar ``sigmoid(attention_gate)`` on the attention
+   branch, and a Hadamard MLP (diagonal scalings around two Walsh-Hadamard transforms).
+5. Output: the lane mean, a final norm, logits tied to the token embedding (always float32).
+
+Optional parts: the multi-token-prediction head (``mtp_logits[t]`` predicts token ``t + 2``) and the
+probe-pooling heads of tool retrieval (contrastive) and answer confidence.
+
+Numerics follow the reference: norms, hyper-connection routing and engram gates run in float32 and
+cast back to the compute dtype (the dtype of the parameters), logits are float32.
+
+This file ships as remote code next to saved weights, so it imports only flat relative modules of
+its folder (configuration, numerics, weight table, deploy numerics, cache, compiled decoding,
+speculative decoding) and nothing from jax.
+
+Layout: numerical building blocks, then the layers (attention, MLP, block, hyper-connections,
+engram, heads), then `NeedlePreTrainedModel`, the backbone `NeedleModel` and `NeedleForCausalLM`.
+The KV cache (its names across transformers versions, the engram state) is `cache_needle`; the
+compiled static-cache decoding engine is `compiled_decoding_needle`.
+
+Version notes (transformers 4.57 and 5.x):
+- The cache's name (``past_key_values`` / ``cache``): see `cache_needle`.
+- Attention runs through transformers' attention-function interface (eager, sdpa, flex_attention).
+- The output head ``lm_head`` is a bias-less ``nn.Linear`` whose weight is ``model.embed_tokens.weight``
+  (tied through transformers' machinery: `_tied_weights_keys` is a list of tied names on 4.57, a
+  ``{tied: source}`` dict on 5.x). The state dict shows the alias ``lm_head.weight``; saved files
+  hold the one tensor of the weight table (`weight_names.py`), and `load_state_dict` accepts a state
+  dict with or without the alias. Logits stay float32 (``hidden.float() @ lm_head.weight.float().T``).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+from dataclasses import dataclass
+from typing import Callable, Optional, Union
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from torch import nn
+from transformers import DynamicCache, GenerationMixin, PreTrainedModel
+from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.utils import is_torchdynamo_compiling
+
+from .cache_needle import (
+    BASE_CACHE_OUTPUT_FIELD,
+    CACHE_OUTPUT_FIELD,
+    NeedleEngramCacheLayer,
+    is_static_cache,
+    layer_caches,
+    merge_cache_arguments,
+    static_cache_length,
+)
+from .compiled_decoding_needle import LayerCompiledCall, NeedleCompiledParts
+from .configuration_needle import NeedleConfig
+from .deploy_numerics import (  # deploy numerics hooks
+    forward_on_training_weights,
+    quantize_activations,
+    quantize_kv,
+    training_weights,
+)
+from .numerics import (
+    ATTENTION_GATE_INIT,
+    CONFIDENCE_PROBES,
+    CONTRASTIVE_NORM_EPS,
+    CONTRASTIVE_PROBES,
+    CONTRASTIVE_TEMPERATURE_INIT,
+    ENGRAM_FIRST_TAP_INIT,
+    ENGRAM_HASH_PRIME,
+    ENGRAM_HASH_SHIFT,
+    HADAMARD_DIAG_HIDDEN_INIT,
+    HADAMARD_DIAG_IN_INIT,
+    HADAMARD_DIAG_OUT_INIT,
+    HYPER_CONNECTION_ALPHA_INIT,
+    HYPER_CONNECTION_RES_BIAS_INIT,
+    NORM_WEIGHT_INIT,
+    SINKHORN_ITERATIONS,
+    SINKHORN_LINEAR_SPACE_MAX_SPREAD,
+    TIED_WEIGHTS,
+    UINT32_MASK,
+    engram_table_orders,
+    engram_table_seeds,
+    hyper_connection_offsets,
+    rope_inverse_frequencies,
+    walsh_factor_sizes,
+    walsh_matrix,
+)
+from .speculative import mtp_generate, trim_to_max_length
+from .weight_names import NeedleWeightsError  # the one exception of both twins' strict loading
+
+# deploy_numerics reads the QAT widths from the weight table. Imported here too because transformers
+# copies only a model file's own relative imports out of a local folder (trust_remote_code=True).
+from .weight_names import cq_weight_bits  # noqa: F401
+
+
+# Tied weights as the installed transformers spells them: 5.x maps each tied name to its source,
+# 4.57 lists the names it ties to `get_input_embeddings()`.
+_TIED_WEIGHTS_KEYS = (
+    dict(TIED_WEIGHTS) if hasattr(PreTrainedModel, "get_expanded_tied_weights_keys") else list(TIED_WEIGHTS)
+)
+
+
+# --------------------------------------------------------------------------------------------------
+# Numerical building blocks
+
+
+def zero_centred_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``(1 + weight) * x / sqrt(mean(x^2) + eps)`` over the last axis, cast back to ``x``'s dtype.
+
+    The mean of squares is float32; ``1 + weight`` and its product with ``x`` happen in the
+    parameter/input dtype before the float32 division, as in the reference (this matters for fp16
+    checkpoints).
+    """
+    x_f32 = x.float()
+    rms = torch.sqrt((x_f32 * x_f32).mean(dim=-1, keepdim=True) + eps)  # x * x: pow(2) bit for bit, cheaper
+    return (((1 + weight) * x) / rms).to(x.dtype)
+
+
+def rms_unit(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """Float32 ``x / sqrt(mean(x^2) + eps)`` over the last axis, no gain."""
+    x = x.float()
+    return x * torch.rsqrt((x * x).mean(dim=-1, keepdim=True) + eps)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Half-split RoPE: ``[x1 cos - x2 sin, x2 cos + x1 sin]``, computed in float32.
+
+    Written as ``x * cos + [-x2, x1] * sin`` with each table repeated over both halves: the same
+    products and sums, bit for bit (negation is exact), in 5 tensor ops instead of 8.
+    x: [B, heads, S, head_dim]; cos, sin: [B, 1, S, head_dim] float32 (each half the same).
+    """
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x * cos + rotated * sin).to(x.dtype)
+
+
+def rotary_tables(positions: torch.Tensor, inverse_frequencies: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float32 RoPE ``cos, sin`` [..., hd] of integer ``positions`` [...], each half the same (see `apply_rotary`)."""
+    angles = positions.float()[..., None] * inverse_frequencies  # [..., hd/2]
+    angles = torch.cat([angles, angles], dim=-1)
+    return torch.cos(angles), torch.sin(angles)
+
+
+def shift_right(x: torch.Tensor, offset: int) -> torch.Tensor:
+    """``x[:, t - offset]`` along axis 1, zero (False) where ``t < offset``."""
+    if offset == 0:
+        return x
+    filler = torch.zeros_like(x[:, :offset])
+    return torch.cat([filler, x[:, : max(x.shape[1] - offset, 0)]], dim=1)[:, : x.shape[1]]
+
+
+def log_space_sinkhorn(logits: torch.Tensor, iterations: int = SINKHORN_ITERATIONS) -> torch.Tensor:
+    """Sinkhorn normalisation of [..., n, n] float32 logits as the reference states it: each round
+    subtracts the logsumexp over rows, then over columns; the result is ``exp`` of the final logits."""
+    log_k = logits
+    for _ in range(iterations):
+        log_k = log_k - torch.logsumexp(log_k, dim=-1, keepdim=True)
+        log_k = log_k - torch.logsumexp(log_k, dim=-2, keepdim=True)
+    return torch.exp(log_k)
+
+
+def sinkhorn(logits: torch.Tensor, iterations: int = SINKHORN_ITERATIONS) -> torch.Tensor:
+    """Doubly-stochastic [..., n, n] float32 matrices: `log_space_sinkhorn`, computed in linear space.
+
+    Subtracting a row's logsumexp from its logits is dividing ``exp(logits)`` by the row's sum, so
+    ``k = exp(logits - max)`` normalised by row sums, then column sums, per round, is the same
+    computation in exact arithmetic. It takes 2 tensor ops per half-round instead of about 9 (a
+    logsumexp is max, subtract, exp, sum, log, add, with infinity guards); the routing matrices are
+    tiny ([B, S, 4, 4], 20 rounds in each of 27 layers), so op count is all their cost in decoding.
+
+    Linear space could underflow where one matrix's logits spread far (see
+    ``SINKHORN_LINEAR_SPACE_MAX_SPREAD``); such matrices take the log-space result. Run eagerly, the
+    spread is read back to the host and log space is computed only when some matrix needs it; in a
+    traced graph (`torch.compile`, `torch.export`) both are computed and `torch.where` picks per
+    matrix, so the graph has no data-dependent branch. Either way each matrix gets the same numbers.
+    """
+    shifted = logits - logits.amax(dim=(-2, -1), keepdim=True)  # each matrix's largest logit at 0
+    spread = -shifted.amin(dim=(-2, -1), keepdim=True)  # [..., 1, 1]
+    traced = is_torchdynamo_compiling() or torch.compiler.is_exporting()
+    if not traced and (not shifted.numel() or spread.max().item() <= SINKHORN_LINEAR_SPACE_MAX_SPREAD):
+        return _linear_space_sinkhorn(shifted, iterations)
+    if not traced and bool((spread > SINKHORN_LINEAR_SPACE_MAX_SPREAD).all()):
+        return log_space_sinkhorn(logits, iterations)
+    # Entries that underflow to 0 only occur in matrices that take the log-space result; the floor
+    # keeps their (discarded) linear-space rows free of 0 / 0, so gradients through `where` stay finite.
+    linear = _linear_space_sinkhorn(shifted, iterations, floor=torch.finfo(torch.float32).tiny)
+    return torch.where(spread <= SINKHORN_LINEAR_SPACE_MAX_SPREAD, linear, log_space_sinkhorn(logits, iterations))
+
+
+def _linear_space_sinkhorn(shifted: torch.Tensor, iterations: int, floor: float = 0.0) -> torch.Tensor:
+    """Row then column normalisation of ``exp(shifted)`` (entries floored at ``floor``), ``iterations`` rounds."""
+    k = torch.exp(shifted)
+    if floor:
+        k = k.clamp_min(floor)
+    for _ in range(iterations):
+        k = k / k.sum(dim=-1, keepdim=True)
+        k = k / k.sum(dim=-2, keepdim=True)
+    return k
+
+
+def walsh_transform(z: torch.Tensor, walsh: Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """``z @ walsh_matrix(n)`` over the last axis. ``walsh``: the [n, n] matrix, or its Kronecker factors
+    (W_a [a, a], W_b [b, b]) (`numerics.walsh_factor_sizes`) for two small products instead of one
+    product with the matrix (`NeedleModel.walsh` picks which)."""
+    if isinstance(walsh, torch.Tensor):
+        return z @ walsh
+    walsh_a, walsh_b = walsh
+    a, b = walsh_a.shape[0], walsh_b.shape[0]
+    z = z.reshape(*z.shape[:-1], a, b) @ walsh_b  # [..., a, b]
+    return (walsh_a @ z).reshape(*z.shape[:-2], a * b)  # W_a is symmetric: W_a^T Z = W_a Z
+
+
+def architecture_constant(name: str, config: NeedleConfig) -> np.ndarray:
+    """A constant table of the architecture: ``walsh`` [n, n] (the MLPs' orthonormal Walsh-Hadamard
+    matrix), ``walsh_a`` [a, a] and ``walsh_b`` [b, b] (its Kronecker factors,
+    `numerics.walsh_factor_sizes`), ``rope_inverse_frequencies`` [head_dim // 2], ``pre_offsets`` /
+    ``post_offsets`` [layers, L] (hyper-connection lane ownership)."""
+    if name == "walsh":
+        return walsh_matrix(config.hadamard_size)
+    if name in ("walsh_a", "walsh_b"):
+        return walsh_matrix(walsh_factor_sizes(config.hadamard_size)[name == "walsh_b"])
+    if name == "rope_inverse_frequencies":
+        return rope_inverse_frequencies(config.head_dim, config.rope_theta)
+    if name in ("pre_offsets", "post_offsets"):
+        offsets = hyper_connection_offsets(config.num_hidden_layers, config.hyper_connection_lanes)
+        return offsets[0] if name == "pre_offsets" else offsets[1]
+    raise KeyError(f"no constant table named {name!r}")
+
+
+def walsh_operand(
+    config: NeedleConfig, table: Callable[[str], torch.Tensor]
+) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """What the MLPs' `walsh_transform` reads, from ``table(name)`` (an `architecture_constant`): the
+    Kronecker factors (two small products, ~10x fewer multiply-adds than the [n, n] matrix), or with
+    deploy numerics the matrix, whose order of summation the reference's 4-bit KV levels were rounded from."""
+    if config.deploy_numerics:
+        return table("walsh")
+    return table("walsh_a"), table("walsh_b")
+
+
+def lane_mean(lanes: torch.Tensor) -> torch.Tensor:
+    """Mean over the hyper-connection lanes [B, S, L, d] -> [B, S, d], accumulated in float32."""
+    return lanes.float().mean(dim=2).to(lanes.dtype)
+
+
+def engram_hash_indices(tokens: torch.Tensor, orders, num_heads: int, slots: int) -> torch.Tensor:
+    """Hash-table rows [B, T, tables] of the n-grams ending at each position (tokens before the start are 0).
+
+    32-bit FNV-style hash in int64 arithmetic: a state below 2**32 times the prime stays below 2**63.
+    All tables are hashed together (integer arithmetic, so exactly as one at a time): token ``t - back``
+    is folded into the tables whose order exceeds ``back``.
+    """
+    tokens = tokens.long()
+    device = tokens.device
+    seeds = torch.tensor(engram_table_seeds(len(orders), num_heads), dtype=torch.long, device=device)  # [tables]
+    table_orders = torch.tensor(engram_table_orders(orders, num_heads), device=device)  # [tables]
+    acc = seeds.expand(*tokens.shape, -1)  # [B, T, tables]
+    for back in range(max(orders)):
+        folded = ((acc ^ shift_right(tokens, back)[..., None]) * ENGRAM_HASH_PRIME) & UINT32_MASK
+        acc = folded if back < min(orders) else torch.where(table_orders > back, folded, acc)
+    acc = acc ^ (acc >> ENGRAM_HASH_SHIFT)
+    return acc % slots
+
+
+def attention_allowed(
+    key_visible: torch.Tensor, past_length: int, query_length: int, group: int, *, window: int = 0
+) -> torch.Tensor:
+    """Boolean attention mask [B, 1, group * S, K]: causal, restricted to visible keys (and, with
+    ``window > 0``, to the last ``window`` key slots: the engine's sliding KV window, see `kv_window.py`),
+    and always the query itself.
+
+    key_visible: [B, K] (K = past + S, or the length of a static cache); past_length may be a 0-d tensor.
+    A query attending to itself keeps padding rows (which see no visible key) finite and independent
+    of other positions, as in the Flax model. The [S, K] rows repeat ``group`` times (group = 1 gives
+    the [B, 1, S, K] mask of the attention functions).
+    """
+    device = key_visible.device
+    query_positions = torch.arange(query_length, device=device) + past_length  # [S]
+    key_positions = torch.arange(key_visible.shape[1], device=device)  # [K]
+    causal = key_positions[None, :] <= query_positions[:, None]  # [S, K]
+    itself = key_positions[None, :] == query_positions[:, None]  # [S, K]
+    if window > 0:
+        causal = causal & (query_positions[:, None] - key_positions[None, :] < window)
+    allowed = (causal[None] & key_visible[:, None, :]) | itself[None]  # [B, S, K]
+    return (allowed.repeat(1, group, 1) if group > 1 else allowed)[:, None]  # [B, 1, group * S, K]
+
+
+def default_position_ids(
+    attention_mask: Optional[torch.Tensor], past_length: int, length: int, batch: int, device
+) -> torch.Tensor:
+    """Positions [B, S] of the new tokens: ``cumsum(mask) - 1`` over the whole mask (padding does not
+    advance the position), or ``past_length + arange(S)`` without a mask. The mask may run past the new
+    tokens (a static cache's full length); past_length may be a 0-d tensor."""
+    new_positions = torch.arange(length, device=device) + past_length  # [S]
+    if attention_mask is None:
+        return new_positions[None].expand(batch, -1)
+    positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    return positions.gather(1, new_positions[None].expand(batch, -1).to(positions.device))
+
+
+def eager_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Optional[torch.Tensor],
+    scaling: float,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference's attention: float32 scores and softmax, probabilities cast to the value dtype.
+
+    query: [B, H, S, hd]; key, value: [B, KV, K, hd]; attention_mask: additive [B, 1, S, K].
+    Returns (output [B, S, H, hd], probabilities [B, H, S, K] float32, on the autograd path).
+    Query head h reads key/value head h // (H / KV): the queries of a group are stacked against their
+    one key/value head ([B, KV, G * S, hd]) rather than the keys and values repeated per head.
+    Other keyword arguments of the attention-function interface are not used by this kernel.
+    """
+    batch, heads, length, head_dim = query.shape
+    kv_heads, keys = key.shape[1], key.shape[-2]
+    grouped = query.float().reshape(batch, kv_heads, -1, head_dim)  # [B, KV, G * S, hd]
+    scores = torch.matmul(grouped, key.float().transpose(-1, -2)).view(batch, heads, length, keys) * scaling
+    if attention_mask is not None:
+        scores = scores + attention_mask[..., :keys].float()
+    probs = scores.softmax(dim=-1)
+    weights = F.dropout(probs, p=dropout, training=module.training).to(value.dtype)
+    out = torch.matmul(weights.view(batch, kv_heads, -1, keys), value)  # [B, KV, G * S, hd]
+    return out.view(batch, heads, length, head_dim).transpose(1, 2).contiguous(), probs
+
+
+@dataclass
+class NeedleStepInputs:
+    """Tensors derived once per forward call and shared by every layer (and the MTP block).
+
+    key_visible: [B, K] bool, which key positions are real text (K = past + S, or a static cache's length).
+    attention_mask: [B, 1, S, K] additive mask in the compute dtype (0 allowed, the dtype's minimum not);
+        for flex attention the same mask as a `BlockMask`.
+    cos, sin: [B, 1, S, head_dim] float32 RoPE tables of the new positions (both halves the same).
+    cache_position: [S] positions of the new tokens in the cache (where their keys are written).
+    walsh: [n, n] Walsh-Hadamard matrix (compute dtype), or its Kronecker factors (`walsh_transform`).
+    pre_offsets, post_offsets: [layers, L] float32 lane-ownership offsets of the hyper-connection
+        logits (`numerics.hyper_connection_offsets`).
+    attention_implementation: the attention function to use instead of the config's (a compiled
+        decoding step runs sdpa as the same grouped products as eager, see `_DecoderLayerStep`).
+    """
+
+    key_visible: torch.Tensor
+    attention_mask: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    cache_position: torch.Tensor
+    walsh: Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
+    pre_offsets: torch.Tensor
+    post_offsets: torch.Tensor
+    attention_implementation: Optional[str] = None
+
+
+# --------------------------------------------------------------------------------------------------
+# Modules
+
+
+class NeedleRMSNorm(nn.Module):
+    """Zero-centred RMS norm: the gain is ``1 + weight`` (weight initialised to 0)."""
+
+    def __init__(self, width: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(width))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return zero_centred_rms_norm(x, self.weight, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}, gain=1+weight"
+
+
+class NeedleResidualLinear(nn.Linear):
+    """A projection that writes into the residual stream (attention output, engram value).
+
+    Only its initialisation differs: N(0, 0.02 / sqrt(2 L)) as in the reference, instead of N(0, 0.02).
+    """
+
+
+class NeedleAttention(nn.Module):
+    """Grouped-query self-attention with q/k norms, half-split RoPE and a sigmoid output gate.
+
+    The attention product itself runs through transformers' attention-function interface:
+    `eager_attention_forward` for ``"eager"``, ``ALL_ATTENTION_FUNCTIONS[config._attn_implementation]``
+    otherwise (sdpa, flex_attention, paged backends).
+    """
+
+    is_causal = True
+
+    def __init__(self, config: NeedleConfig, layer_idx: Optional[int]):
+        super().__init__()
+        self.config = config  # deploy numerics hook
+        self.layer_idx = layer_idx  # index into the KV cache (the MTP block: into its own cache)
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.scaling = config.head_dim**-0.5
+        self.attention_dropout = 0.0
+        d, a, kv = config.hidden_size, config.attention_dim, config.kv_dim
+        self.q_proj = nn.Linear(d, a, bias=False)
+        self.k_proj = nn.Linear(d, kv, bias=False)
+        self.v_proj = nn.Linear(d, kv, bias=False)
+        self.gate_proj = nn.Linear(d, a, bias=False)
+        self.o_proj = NeedleResidualLinear(a, d, bias=False)
+        self.q_norm = NeedleRMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = NeedleRMSNorm(self.head_dim, config.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        step: NeedleStepInputs,
+        cache: Optional[Union[Cache, CacheLayerMixin]] = None,
+        **attention_kwargs,
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """x: [B, S, d] (normed) -> ([B, S, d], attention probabilities [B, H, S, K] or None).
+
+        ``cache``: the model's KV cache, or this layer's own layer of it (a static cache's, see
+        `NeedleModel.forward`: then the layer index is not read, and one compiled layer serves all).
+
+        ``attention_kwargs`` go to the attention function unchanged (e.g. ``output_attentions``, the
+        varlen arguments of flash/paged kernels); `NeedleModel.forward` names the ones it passes.
+        """
+        batch, length, _ = x.shape
+        x = quantize_activations(x, self.config)  # deploy numerics hook
+        q, k, v, gate = self.q_proj(x), self.k_proj(x), self.v_proj(x), self.gate_proj(x)
+        q = q.reshape(batch, length, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H, S, hd]
+        k = k.reshape(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, KV, S, hd]
+        v = v.reshape(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, KV, S, hd]
+        q = apply_rotary(self.q_norm(q), step.cos, step.sin)
+        k = apply_rotary(self.k_norm(k), step.cos, step.sin)
+        k, v = quantize_kv(k, v, self.config)  # deploy numerics hook
+        # `cache_position` places the keys in a static cache on 4.57 (5.x layers count themselves).
+        if isinstance(cache, CacheLayerMixin):
+            k, v = cache.update(k, v, {"cache_position": step.cache_position})  # [B, KV, K, hd]
+        elif cache is not None and self.layer_idx is not None:
+            k, v = cache.update(k, v, self.layer_idx, {"cache_position": step.cache_position})  # [B, KV, K, hd]
+
+        implementation = step.attention_implementation or self.config._attn_implementation
+        attention = eager_attention_forward if implementation == "eager" else ALL_ATTENTION_FUNCTIONS[implementation]
+        out, probs = attention(
+            self,
+            q,
+            k,
+            v,
+            step.attention_mask,
+            dropout=self.attention_dropout if self.training else 0.0,
+            scaling=self.scaling,
+            **attention_kwargs,
+        )
+        out = out.reshape(batch, length, -1) * torch.sigmoid(gate)  # [B, S, attention_dim]
+        out = quantize_activations(out, self.config)  # deploy numerics hook
+        return self.o_proj(out), probs
+
+
+class NeedleHadamardMLP(nn.Module):
+    """``z = (d1 * z) H; z = silu(d2 * z) H; out = (d3 * z)[:d]`` with ``z`` zero padded to ``n`` (a power of two)."""
+
+    def __init__(self, config: NeedleConfig):
+        super().__init__()
+        n = config.hadamard_size
+        self.hidden_size = config.hidden_size
+        self.diag_in = nn.Parameter(torch.ones(n))
+        self.diag_hidden = nn.Parameter(torch.ones(n))
+        self.diag_out = nn.Parameter(torch.full((n,), HADAMARD_DIAG_OUT_INIT))
+
+    def forward(self, x: torch.Tensor, walsh: Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """x: [B, S, d], walsh: the Walsh matrix or its Kronecker factors (`walsh_transform`) -> [B, S, d]."""
+        padding = self.diag_in.shape[0] - self.hidden_size
+        z = F.pad(x, (0, padding)) if padding else x  # [B, S, n]
+        z = walsh_transform(self.diag_in * z, walsh)
+        z = walsh_transform(F.silu(self.diag_hidden * z), walsh)
+        return (self.diag_out * z)[..., : self.hidden_size]
+
+
+class NeedleBlock(nn.Module):
+    """One transformer block ``u -> Block(u)`` (the residual stream in and out, [B, S, d]).
+
+    Decoder layers extend it with hyper-connections; the MTP head uses it as is.
+    """
+
+    def __init__(self, config: NeedleConfig, layer_idx: Optional[int]):
+        super().__init__()
+        d, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = NeedleRMSNorm(d, eps)
+        self.self_attn = NeedleAttention(config, layer_idx)
+        self.post_attention_layernorm = NeedleRMSNorm(d, eps)
+        self.attention_gate = nn.Parameter(torch.zeros(()))
+        self.pre_feedforward_layernorm = NeedleRMSNorm(d, eps)
+        self.mlp = NeedleHadamardMLP(config)
+
+    def block(
+        self,
+        x: torch.Tensor,
+        step: NeedleStepInputs,
+        cache: Optional[Cache] = None,
+        **attention_kwargs,
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """x: [B, S, d] -> ([B, S, d], attention probabilities or None)."""
+        attended, probs = self.self_attn(self.input_layernorm(x), step, cache=cache, **attention_kwargs)
+        # sigmoid in the parameter dtype, then cast (the reference's `_gate`).
+        gate = torch.sigmoid(self.attention_gate).to(x.dtype)
+        x = x + gate * self.post_attention_layernorm(attended)
+        x = x + self.mlp(self.pre_feedforward_layernorm(x), step.walsh)
+        return x, probs
+
+    def forward(self, x: torch.Tensor, step: NeedleStepInputs) -> torch.Tensor:
+        return self.block(x, step)[0]
+
+
+class NeedleHyperConnection(nn.Module):
+    """Lane routing of one layer: how much of each lane the block reads (pre), how much of the block
+    output each lane receives (post), and the doubly-stochastic lane mixing (res).
+
+    Every coefficient is computed from the float32 unit-RMS flattened lanes ``x̂`` [B, S, lanes * d].
+    """
+
+    def __init__(self, config: NeedleConfig, layer_idx: int):
+        super().__init__()
+        lanes = config.hyper_connection_lanes
+        width = lanes * config.hidden_size
+        self.lanes = lanes
+        self.eps = config.rms_norm_eps
+        self.pre_proj = nn.Linear(width, lanes, bias=False)
+        self.post_proj = nn.Linear(width, lanes, bias=False)
+        self.res_proj = nn.Linear(width, lanes * lanes, bias=False)
+        self.pre_bias = nn.Parameter(torch.zeros(lanes))
+        self.post_bias = nn.Parameter(torch.zeros(lanes))
+        self.res_bias = nn.Parameter(HYPER_CONNECTION_RES_BIAS_INIT * torch.eye(lanes))
+        self.pre_alpha = nn.Parameter(torch.tensor(HYPER_CONNECTION_ALPHA_INIT))
+        self.post_alpha = nn.Parameter(torch.tensor(HYPER_CONNECTION_ALPHA_INIT))
+        self.res_alpha = nn.Parameter(torch.tensor(HYPER_CONNECTION_ALPHA_INIT))
+        # Layer i owns lane i mod lanes: fixed logit offsets (not parameters), `step.pre_offsets[i]`.
+        self.layer_idx = layer_idx
+
+    @staticmethod
+    def _scaled_projection(unit: torch.Tensor, proj: nn.Linear, alpha: torch.Tensor) -> torch.Tensor:
+        """``alpha * (x̂ @ W.T)`` in float32."""
+        return alpha.float() * F.linear(unit, proj.weight.float())
+
+    def route(
+        self, lanes: torch.Tensor, lane_offsets: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """lanes: [B, S, L, d], lane_offsets: this layer's (pre, post) [L] float32 (`step.pre_offsets[i]`,
+        `step.post_offsets[i]`) -> (read weights [B, S, L], write weights [B, S, L], mixing [B, S, L, L]), float32."""
+        batch, length, n, width = lanes.shape
+        unit = rms_unit(lanes.reshape(batch, length, n * width), self.eps)  # [B, S, L * d]
+        pre_offset, post_offset = lane_offsets
+        read = torch.sigmoid(
+            self._scaled_projection(unit, self.pre_proj, self.pre_alpha) + self.pre_bias.float() + pre_offset
+        )
+        write = 2 * torch.sigmoid(
+            self._scaled_projection(unit, self.post_proj, self.post_alpha) + self.post_bias.float() + post_offset
+        )
+        mix_logits = self._scaled_projection(unit, self.res_proj, self.res_alpha).view(batch, length, n, n)
+        mixing = sinkhorn(mix_logits + self.res_bias.float())
+        return read, write, mixing
+
+
+class NeedleDecoderLayer(NeedleBlock, GradientCheckpointingLayer):
+    """A block wrapped in hyper-connections; maps lanes [B, S, L, d] to lanes.
+
+    Tensors that need gradients are positional, so that activation checkpointing
+    (`GradientCheckpointingLayer`) recomputes the layer from them.
+    """
+
+    def __init__(self, config: NeedleConfig, layer_idx: int):
+        super().__init__(config, layer_idx)
+        self.hidden_size = config.hidden_size
+        self.hyper_connection = NeedleHyperConnection(config, layer_idx)
+
+    def forward(
+        self,
+        lanes: torch.Tensor,
+        engram_key: Optional[torch.Tensor],
+        engram_value: Optional[torch.Tensor],
+        step: NeedleStepInputs,
+        cache: Optional[Union[Cache, CacheLayerMixin]] = None,
+        *,
+        lane_offsets: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+        **attention_kwargs,
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """lanes: [B, S, L, d]; engram_key, engram_value: [B, S, d] of this layer's engram site (or None).
+
+        lane_offsets: this layer's rows of ``step.pre_offsets`` / ``step.post_offsets`` (default: read
+        by layer index). `NeedleModel` passes them, and a static cache's own layer as ``cache``, so a
+        compiled layer reads no per-layer constant and compiles once for all layers (`get_compiled_call`).
+        """
+        if lane_offsets is None:
+            index = self.hyper_connection.layer_idx
+            lane_offsets = (step.pre_offsets[index], step.post_offsets[index])
+        read, write, mixing = self.hyper_connection.route(lanes, lane_offsets)
+        lanes_f32 = lanes.float()
+        # Batched matrix products over (b, s) (what einsum would run, without its per-call planning).
+        u = torch.matmul(read[:, :, None, :], lanes_f32)[:, :, 0].to(lanes.dtype)  # [B, S, d]
+        x = u
+        if engram_key is not None:
+            eps = self.hyper_connection.eps
+            relevance = (rms_unit(u, eps) * rms_unit(engram_key, eps)).sum(-1) / math.sqrt(self.hidden_size)  # [B, S]
+            x = u + (torch.sigmoid(relevance)[..., None] * engram_value.float()).to(u.dtype)
+        y, probs = self.block(x, step, cache=cache, **attention_kwargs)
+        y = y - u
+        mixed = torch.matmul(mixing, lanes_f32) + write[..., None] * y.float()[:, :, None, :]  # [B, S, L, d]
+        return mixed.to(lanes.dtype), probs
+
+
+class NeedleEngram(nn.Module):
+    """Hashed n-gram memory of one site: fetched table rows -> (key, convolved value), [B, T, d] each."""
+
+    def __init__(self, config: NeedleConfig):
+        super().__init__()
+        d = config.hidden_size
+        self.config = config  # deploy numerics hook
+        self.num_tables = config.engram_num_tables
+        self.dilation = config.engram_conv_dilation
+        self.reach = config.engram_conv_reach
+        self.tables = nn.Parameter(torch.zeros(config.engram_num_tables, config.engram_slots, config.engram_sub_dim))
+        self.key_proj = nn.Linear(config.engram_dim, d, bias=False)
+        self.value_proj = NeedleResidualLinear(config.engram_dim, d, bias=False)
+        taps = torch.zeros(config.engram_conv_taps, d)
+        taps[0] = 1.0
+        self.conv_taps = nn.Parameter(taps)
+
+    def forward(
+        self,
+        indices: torch.Tensor,
+        ngram_visible: torch.Tensor,
+        visible: torch.Tensor,
+        first_output: int,
+        dtype: torch.dtype,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(key, value) [B, T - first_output, d] of window positions ``first_output..T-1``.
+
+        indices: [B, T, tables] rows of the window's n-grams; ngram_visible: [B, T, tables] whether each
+        n-gram lies in the visible text; visible: [B, T] whether each window position is visible.
+        The value at ``t`` is ``sum_j taps[j] * v[t - j * dilation]`` over visible earlier positions
+        (zero before the window, which starts at the text or reaches back `engram_history` tokens).
+        """
+        batch, length, _ = indices.shape
+        table_ids = torch.arange(self.num_tables, device=indices.device)
+        rows = self.tables[table_ids, indices]  # [B, T, tables, sub_dim]
+        rows = rows * ngram_visible[..., None].to(rows.dtype)
+        fetched = rows.reshape(batch, length, -1).to(dtype)  # [B, T, engram_dim]
+        fetched = quantize_activations(fetched, self.config)  # deploy numerics hook
+        key = self.key_proj(fetched[:, first_output:])
+        # Hidden positions contribute zero to every tap; zeros in front stand for positions before the window.
+        reach = self.reach
+        value_rows = self.value_proj(fetched) * visible[..., None].to(dtype)  # [B, T, d]
+        value_rows = F.pad(value_rows, (0, 0, reach, 0))  # [B, reach + T, d]
+        taps = self.conv_taps.to(dtype)
+        value = 0
+        for j in range(taps.shape[0]):
+            start = reach + first_output - j * self.dilation
+            value = value + taps[j] * value_rows[:, start : start + length - first_output]
+        return key, value
+
+
+def engram_window_memory(
+    engrams: nn.ModuleList,
+    config: NeedleConfig,
+    window_ids: torch.Tensor,
+    window_visible: torch.Tensor,
+    first_output: int,
+    dtype: torch.dtype,
+) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Engram (key, value) [B, T - first_output, d] of window positions ``first_output..T-1``, by the
+    layer that reads them.
+
+    window_ids: [B, T] token ids; window_visible: [B, T] bool, whether each position is real text
+    (positions hidden here contribute zero, exactly like positions before the window).
+    """
+    indices = engram_hash_indices(window_ids, config.engram_orders, config.engram_num_heads, config.engram_slots)
+    # An n-gram of order o ending at t is visible when its first token, t - (o - 1), is.
+    visible_by_order = {order: shift_right(window_visible, order - 1) for order in config.engram_orders}
+    table_orders = engram_table_orders(config.engram_orders, config.engram_num_heads)
+    ngram_visible = torch.stack([visible_by_order[order] for order in table_orders], dim=-1)  # [B, T, tables]
+    return {
+        layer_idx: engram(indices, ngram_visible, window_visible, first_output, dtype)
+        for engram, layer_idx in zip(engrams, config.engram_layers)
+    }
+
+
+def tied_logits(hidden: torch.Tensor, embedding_weight: torch.Tensor) -> torch.Tensor:
+    """Float32 ``hidden @ E.T``: [..., d] -> [..., V] (the output head is the token embedding)."""
+    return hidden.float() @ embedding_weight.float().T
+
+
+class NeedleMultiTokenPrediction(nn.Module):
+    """MTP head: ``block(cat(h, norm(E[next] * sqrt(d))) W)`` then a norm; its tied logits predict token t + 2."""
+
+    def __init__(self, config: NeedleConfig):
+        super().__init__()
+        d = config.hidden_size
+        self.config = config  # deploy numerics hook
+        self.combine_proj = nn.Linear(2 * d, d, bias=False)
+        self.embed_norm = NeedleRMSNorm(d, config.rms_norm_eps)
+        self.norm = NeedleRMSNorm(d, config.rms_norm_eps)
+        # Layer 0 of the MTP's own cache when it drafts while decoding (`speculative.py`); uncached otherwise.
+        self.block = NeedleBlock(config, layer_idx=0)
+
+    def forward(
+        self, hidden: torch.Tensor, next_embedded: torch.Tensor, step: NeedleStepInputs, cache: Optional[Cache] = None
+    ) -> torch.Tensor:
+        """hidden: [B, S, d] final-normed backbone output; next_embedded: [B, S, d] float32 ``E[t+1] * sqrt(d)``;
+        cache: the MTP block's own one-layer cache of the positions before these (None: the whole text)."""
+        combined = torch.cat([hidden, self.embed_norm(next_embedded).to(hidden.dtype)], dim=-1)
+        combined = quantize_activations(combined, self.config)  # deploy numerics hook
+        return self.norm(self.block.block(self.combine_proj(combined), step, cache=cache)[0])
+
+
+def probe_pool(cells: torch.Tensor, keep: torch.Tensor, probes: torch.Tensor) -> torch.Tensor:
+    """Attention pooling of every (position, layer) cell by learned probes.
+
+    cells: [B, T, L + 1, d] float32; keep: [B, T] bool; probes: [K, d] -> [B, K * d] float32.
+    """
+    batch, length, depth, width = cells.shape
+    flat = cells.reshape(batch, length * depth, width)
+    keep = keep.repeat_interleave(depth, dim=1)  # position-major, like the cells
+    scores = torch.einsum("bcd,kd->bkc", flat, probes.float()) / math.sqrt(width)
+    scores = scores.masked_fill(~keep[:, None, :], float("-inf"))
+    weights = scores.softmax(dim=-1)
+    return torch.einsum("bkc,bcd->bkd", weights, flat).reshape(batch, -1)
+
+
+class NeedleContrastiveHead(nn.Module):
+    """Tool-retrieval embedding: probe pooling, a projection, L2 normalisation, plus a learned log-temperature."""
+
+    def __init__(self, config: NeedleConfig):
+        super().__init__()
+        self.probes = nn.Parameter(torch.zeros(CONTRASTIVE_PROBES, config.hidden_size))
+        self.proj = nn.Linear(CONTRASTIVE_PROBES * config.hidden_size, config.contrastive_dim, bias=False)
+        self.log_temperature = nn.Parameter(torch.tensor(math.log(CONTRASTIVE_TEMPERATURE_INIT)))
+
+    def forward(self, cells: torch.Tensor, keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        projected = self.proj(probe_pool(cells, keep, self.probes).to(dtype))  # [B, C]
+        norm = torch.sqrt(projected.float().pow(2).sum(-1, keepdim=True) + CONTRASTIVE_NORM_EPS)
+        return projected / norm.to(projected.dtype)
+
+
+class NeedleConfidenceHead(nn.Module):
+    """Answer-confidence logit: probe pooling and an affine map to one float32 logit per sequence."""
+
+    def __init__(self, config: NeedleConfig):
+        super().__init__()
+        self.probes = nn.Parameter(torch.zeros(CONFIDENCE_PROBES, config.hidden_size))
+        self.proj = nn.Linear(CONFIDENCE_PROBES * config.hidden_size, 1, bias=True)
+
+    def forward(self, cells: torch.Tensor, keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return self.proj(probe_pool(cells, keep, self.probes).to(dtype))[..., 0].float()
+
+
+# --------------------------------------------------------------------------------------------------
+# Outputs
+
+
+@dataclass
+class NeedleCausalLMOutput(CausalLMOutputWithPast):
+    """`CausalLMOutputWithPast` plus ``mtp_logits`` [B, S, V] float32 (when requested): ``mtp_logits[:, t]``
+    scores token ``t + 2``. The cache field is ``past_key_values`` (transformers 4.x) or ``cache`` (5.x)."""
+
+    mtp_logits: Optional[torch.FloatTensor] = None
+
+
+def _config_default(value, config, name: str, default):
+    """An explicit argument, else the config's attribute (absent in some transformers versions), else ``default``."""
+    return value if value is not None else getattr(config, name, default)
+
+
+def _refuse_inputs_embeds(inputs_embeds):
+    if inputs_embeds is not None:
+        raise ValueError("Needle reads token ids (its engram memory hashes them): pass input_ids, not inputs_embeds")
+
+
+# --------------------------------------------------------------------------------------------------
+# Pretrained-model plumbing
+
+
+def _flex_block_mask(allowed: torch.Tensor):
+    """The [B, 1, S, K] boolean mask as flex attention's `BlockMask` (a mask read inside a score
+    modification is what the CPU kernels of torch 2.13 mishandle; a block mask they run)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    batch, _, length, keys = allowed.shape
+
+    def visible(b, h, q, k):
+        return allowed[b, 0, q, k]
+
+    return create_block_mask(visible, batch, None, length, keys, device=allowed.device)
+
+
+# torch's intra-op thread count when this module was imported: a different count later was chosen.
+_THREADS_AT_IMPORT = torch.get_num_threads()
+
+
+def _threads_chosen_by_user() -> bool:
+    return bool(os.environ.get("OMP_NUM_THREADS")) or torch.get_num_threads() != _THREADS_AT_IMPORT
+
+
+def _init_value(tensor: torch.Tensor, value) -> None:
+    """Set a deterministic initial value, unless transformers marked the tensor as loaded from a checkpoint."""
+    if getattr(tensor, "_is_hf_initialized", False):
+        return
+    with torch.no_grad():
+        tensor.copy_(torch.as_tensor(value, dtype=tensor.dtype).expand_as(tensor))
+
+
+class NeedlePreTrainedModel(PreTrainedModel):
+    config_class = NeedleConfig
+    base_model_prefix = "model"
+    main_input_name = "input_ids"
+    _no_split_modules = ["NeedleDecoderLayer"]
+    supports_gradient_checkpointing = True
+    _supports_sdpa = True
+    # The additive [B, 1, S, K] mask (padding anywhere, not only on the left) has no varlen form.
+    _supports_flash_attn = False
+    _supports_flash_attn_2 = False
+    _supports_flex_attn = True
+    _supports_attention_backend = True
+    _supports_cache_class = True
+    _supports_static_cache = True  # the engram state lives in the cache (`NeedleEngramCacheLayer`)
+    _can_compile_fullgraph = True
+
+    def _init_weights(self, module: nn.Module):
+        """The reference initialisation: N(0, 0.02) projections, embeddings, tables and probes; residual-stream
+        projections N(0, 0.02 / sqrt(2 L)); zero norms and gates; identity-like Hadamard, conv and lane mixing.
+
+        Each module initialises only the parameters it owns directly: transformers 5.x skips modules
+        without direct parameters here. Random draws go through `torch.nn.init` (which 5.x guards against
+        re-initialising loaded tensors); fixed values through `_init_value`, which checks the same flag.
+        """
+        std = self.config.initializer_range
+        if module is getattr(self, "lm_head", None):
+            return  # the tied head's weight is the embedding's, initialised there
+        if isinstance(module, NeedleResidualLinear):
+            nn.init.normal_(module.weight, mean=0.0, std=std / math.sqrt(2 * self.config.num_hidden_layers))
+        elif isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                _init_value(module.bias, 0.0)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, NeedleRMSNorm):
+            _init_value(module.weight, NORM_WEIGHT_INIT)
+        elif isinstance(module, NeedleHadamardMLP):
+            _init_value(module.diag_in, HADAMARD_DIAG_IN_INIT)
+            _init_value(module.diag_hidden, HADAMARD_DIAG_HIDDEN_INIT)
+            _init_value(module.diag_out, HADAMARD_DIAG_OUT_INIT)
+        elif isinstance(module, NeedleBlock):
+            _init_value(module.attention_gate, ATTENTION_GATE_INIT)
+        elif isinstance(module, NeedleHyperConnection):
+            _init_value(module.pre_bias, 0.0)
+            _init_value(module.post_bias, 0.0)
+            _init_value(module.res_bias, HYPER_CONNECTION_RES_BIAS_INIT * torch.eye(module.lanes))
+            for alpha in (module.pre_alpha, module.post_alpha, module.res_alpha):
+                _init_value(alpha, HYPER_CONNECTION_ALPHA_INIT)
+        elif isinstance(module, NeedleEngram):
+            nn.init.normal_(module.tables, mean=0.0, std=std)
+            taps = torch.zeros_like(module.conv_taps)
+            taps[0] = ENGRAM_FIRST_TAP_INIT
+            _init_value(module.conv_taps, taps)
+        elif isinstance(module, NeedleContrastiveHead):
+            nn.init.normal_(module.probes, mean=0.0, std=std)
+            _init_value(module.log_temperature, math.log(CONTRASTIVE_TEMPERATURE_INIT))
+        elif isinstance(module, NeedleConfidenceHead):
+            nn.init.normal_(module.probes, mean=0.0, std=std)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, without_heads: bool = False, **kwargs):
+        """`PreTrainedModel.from_pretrained`, but strict: every tensor the config implies must be in the
+        checkpoint with its exact shape, and no other tensor may be there. Raises `NeedleWeightsError`
+        instead of randomly initialising what is missing.
+
+        ``without_heads=True`` builds the model with the optional heads (MTP, contrastive, confidence)
+        switched off in its config and leaves any head tensors of the checkpoint unused: the way to
+        load a backbone checkpoint (a saved `NeedleModel`) into `NeedleForCausalLM`. The backbone
+        itself still loads strictly.
+        """
+        wants_loading_info = kwargs.pop("output_loading_info", False)
+        if kwargs.pop("ignore_mismatched_sizes", False):
+            raise ValueError("Needle checkpoints load exactly; `ignore_mismatched_sizes=True` is not supported")
+        if without_heads:
+            kwargs.update(use_mtp_head=False, use_contrastive_head=False, use_confidence_head=False)
+        # Let transformers report shape mismatches (instead of raising its own, version-specific error),
+        # then refuse them below together with missing and unexpected tensors.
+        model, loading_info = super().from_pretrained(
+            pretrained_model_name_or_path,
+            *model_args,
+            output_loading_info=True,
+            ignore_mismatched_sizes=True,
+            **kwargs,
+        )
+        unused = NeedleModel._unused_checkpoint_prefixes if without_heads else ()
+        _raise_unless_exact(model, loading_info, pretrained_model_name_or_path, unused_prefixes=unused)
+        return (model, loading_info) if wants_loading_info else model
+
+
+def _local_checkpoint_tensor(source, name: str, *, shape_only: bool = False):
+    """Tensor ``name`` (or its shape) in the safetensors files of a local folder (None when not found there)."""
+    if not os.path.isdir(str(source)):
+        return None
+    for file_name in sorted(os.listdir(source)):
+        if file_name.endswith(".safetensors"):
+            with safe_open(os.path.join(source, file_name), framework="pt") as handle:
+                if name in handle.keys():
+                    return tuple(handle.get_slice(name).get_shape()) if shape_only else handle.get_tensor(name)
+    return None
+
+
+def _untied_names(model: PreTrainedModel, source) -> list[str]:
+    """Tied names (`TIED_WEIGHTS`) whose checkpoint tensor differs from its source: 5.x then unties
+    them; 4.57 keeps the tie and drops the checkpoint's tensor, read back here from a local folder."""
+    untied = []
+    for tied, source_name in TIED_WEIGHTS.items():
+        try:
+            tied_param, source_param = model.get_parameter(tied), model.get_parameter(source_name)
+        except AttributeError:  # the bare backbone has no output head
+            continue
+        stored = _local_checkpoint_tensor(source, tied) if tied_param is source_param else None
+        if tied_param is not source_param or (stored is not None and not torch.equal(stored.to(source_param), source_param)):
+            untied.append(tied)
+    return untied
+
+
+def _raise_unless_exact(model: PreTrainedModel, loading_info: dict, source, unused_prefixes: tuple = ()) -> None:
+    # A tied name is never required (its source is, and is reported when missing).
+    missing = sorted(name for name in loading_info.get("missing_keys") or [] if name not in TIED_WEIGHTS)
+    untied = _untied_names(model, source)
+    unused_prefixes = tuple(getattr(model, "_unused_checkpoint_prefixes", ())) + tuple(unused_prefixes)
+    unexpected = sorted(
+        name for name in loading_info.get("unexpected_keys") or [] if not name.startswith(unused_prefixes)
+    )
+    expected_shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    mismatched = []
+    for entry in loading_info.get("mismatched_keys") or []:
+        # transformers 5.x reports (name, checkpoint shape, model shape); 4.57 reports the name only.
+        if isinstance(entry, (tuple, list)):
+            name, found = entry[0], tuple(entry[1])
+        else:
+            name, found = entry, _local_checkpoint_tensor(source, entry, shape_only=True)
+        mismatched.append(f"{name}: expected {expected_shapes.get(name)}, got {found or 'a different shape'}")
+    if not (missing or unexpected or mismatched or untied):
+        return
+
+    def listing(names):
+        shown = ", ".join(names[:5])
+        return shown + (f" (and {len(names) - 5} more)" if len(names) > 5 else "")
+
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} missing tensor(s): {listing(missing)}")
+    if unexpected:
+        problems.append(f"{len(unexpected)} unexpected tensor(s): {listing(unexpected)}")
+    if mismatched:
+        problems.append(f"{len(mismatched)} tensor(s) of the wrong shape: {listing(sorted(mismatched))}")
+    for name in untied:
+        problems.append(f"{name} differs from {TIED_WEIGHTS[name]} (the output head is tied to the token embedding)")
+    hint = ""
+    if any(name.startswith(("mtp.", "contrastive_head.", "confidence_head.")) for name in missing + unexpected):
+        hint = (
+            " The optional heads present must agree with use_mtp_head / use_contrastive_head /"
+            " use_confidence_head in config.json (a backbone checkpoint loads with `without_heads=True`)."
+        )
+    raise NeedleWeightsError(
+        f"{type(model).__name__}.from_pretrained({str(source)!r}): the checkpoint does not match the config: "
+        + "; ".join(problems)
+        + "."
+        + hint
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Backbone
+
+
+class NeedleModel(NeedlePreTrainedModel):
+    """The Needle backbone: embedding, engram memory, hyper-connected decoder layers and the final norm.
+
+    Weight names: ``embed_tokens.weight``, ``layers.{i}.*``, ``norm.weight``, ``engrams.{s}.*``.
+    """
+
+    # A NeedleForCausalLM checkpoint also holds the heads, which the bare backbone leaves unused.
+    # (Not `_keys_to_ignore_on_load_unexpected`: transformers 5.x copies that onto every model that
+    # contains this one, which would let NeedleForCausalLM ignore head tensors its config lacks.)
+    _unused_checkpoint_prefixes = ("mtp.", "contrastive_head.", "confidence_head.")
+
+    def __init__(self, config: NeedleConfig):
+        super().__init__(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList([NeedleDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.norm = NeedleRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.engrams = nn.ModuleList([NeedleEngram(config) for _ in config.engram_layers])
+        self.embed_scale = math.sqrt(config.hidden_size)
+        # Constants derived from the config, kept out of the state dict: copies per (name, device, dtype).
+        self._constant_copies: dict[tuple, torch.Tensor] = {}
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    @property
+    def engram_context_length(self) -> int:
+        """Tokens before the new ones that the engram reads (`NeedleConfig.engram_history`)."""
+        return self.config.engram_history
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding):
+        self.embed_tokens = value
+
+    def constant(self, name: str, device, dtype) -> torch.Tensor:
+        """`architecture_constant` ``name`` on ``device`` in ``dtype``, built once per placement."""
+        placement = (name, str(device), dtype)
+        if placement not in self._constant_copies:
+            table = architecture_constant(name, self.config)
+            self._constant_copies[placement] = torch.from_numpy(table).to(device=device, dtype=dtype)
+        return self._constant_copies[placement]
+
+    def step_inputs(
+        self,
+        batch: int,
+        length: int,
+        cache_position: torch.Tensor,
+        key_length: int,
+        attention_mask: Optional[torch.Tensor],
+        position_ids: Optional[torch.Tensor],
+        *,
+        attention_window: int = 0,
+    ) -> NeedleStepInputs:
+        """Masks, RoPE tables and constants of a forward call over ``length`` new tokens at ``cache_position``
+        [S], attending over ``key_length`` keys (past + S, or a static cache's length);
+        ``attention_window``: see `attention_allowed`."""
+        device, dtype = self.embed_tokens.weight.device, self.embed_tokens.weight.dtype
+        past_length = cache_position[0]
+        if attention_mask is None:
+            key_visible = torch.ones(batch, key_length, dtype=torch.bool, device=device)
+        else:
+            if attention_mask.dim() != 2:
+                raise ValueError(
+                    f"Needle takes a 2-D attention_mask [batch, past + new tokens] marking real tokens with 1, "
+                    f"got shape {tuple(attention_mask.shape)}"
+                )
+            if attention_mask.shape[0] != batch or attention_mask.shape[1] > key_length:
+                raise ValueError(
+                    f"attention_mask must cover the cached and the new tokens: expected shape {(batch, key_length)}, "
+                    f"got {tuple(attention_mask.shape)}"
+                )
+            key_visible = attention_mask.to(device=device, dtype=torch.bool)
+            key_visible = F.pad(key_visible, (0, key_length - key_visible.shape[1]))  # a static cache's free slots
+        if position_ids is None:
+            position_ids = default_position_ids(attention_mask, past_length, length, batch, device)
+        inverse_frequencies = self.constant("rope_inverse_frequencies", device, torch.float32)
+        cos, sin = rotary_tables(position_ids.to(device), inverse_frequencies)  # [B, S, hd] each
+        allowed = attention_allowed(key_visible, past_length, length, group=1, window=attention_window)  # [B, 1, S, K]
+        if self.config._attn_implementation == "flex_attention":
+            attention_mask_4d = _flex_block_mask(allowed)
+        else:
+            attention_mask_4d = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(
+                ~allowed, torch.finfo(dtype).min
+            )
+        return NeedleStepInputs(
+            key_visible=key_visible,
+            attention_mask=attention_mask_4d,
+            cos=cos[:, None],
+            sin=sin[:, None],
+            cache_position=cache_position,
+            walsh=self.walsh(device, dtype),
+            pre_offsets=self.constant("pre_offsets", device, torch.float32),
+            post_offsets=self.constant("post_offsets", device, torch.float32),
+        )
+
+    def walsh(self, device: torch.device, dtype: torch.dtype) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """What the MLPs' `walsh_transform` reads (`walsh_operand`), on ``device`` in ``dtype``."""
+        return walsh_operand(self.config, lambda name: self.constant(name, device, dtype))
+
+    def engram_memory(
+        self, input_ids: torch.Tensor, step: NeedleStepInputs, cache: Optional[Cache]
+    ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """Engram (key, value) [B, S, d] of the new tokens, by the layer that reads them.
+
+        The window is the `engram_history` positions before the new ones (their ids from the cache's
+        `NeedleEngramCacheLayer`, none without a cache) and the new ones. Positions hidden by the mask
+        (padding) or before the text count as invisible: an n-gram or a conv tap that reaches one
+        contributes zero.
+        """
+        if not self.engrams:
+            return {}
+        config = self.config
+        batch, length = input_ids.shape
+        history = self.engram_context_length
+        cache_position = step.cache_position
+        if cache is None:
+            before_ids = input_ids.new_zeros(batch, history)
+        else:
+            before_ids = self.engram_cache_layer(cache).update_engram_ids(input_ids, cache_position, history)
+        positions = torch.cat([cache_position[:1] - history + torch.arange(history, device=input_ids.device), cache_position])
+        window_visible = step.key_visible.index_select(1, positions.clamp(min=0)) & (positions >= 0)  # [B, H + S]
+        window_ids = torch.cat([before_ids, input_ids], dim=1)  # [B, H + S]
+
+        return engram_window_memory(self.engrams, config, window_ids, window_visible, history, self.embed_tokens.weight.dtype)
+
+    def engram_cache_layer(self, cache: Cache) -> NeedleEngramCacheLayer:
+        """The cache layer that holds the engram state (that of the first engram layer), made a Needle
+        layer on first use."""
+        index = self.config.engram_layers[0]
+        if getattr(cache, "layer_class_to_replicate", None) is not None:
+            while len(cache.layers) <= index:
+                cache.layers.append(cache.layer_class_to_replicate())
+        layer = cache.layers[index]
+        if not isinstance(layer, NeedleEngramCacheLayer):
+            layer = cache.layers[index] = NeedleEngramCacheLayer.adopt(layer)
+        return layer
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Float32 ``E[tokens] * sqrt(d)`` [B, S, d] (the reference scales before casting to the compute dtype)."""
+        return self.embed_tokens(input_ids).float() * self.embed_scale
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor,
+        attention_mask: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.LongTensor] = None,
+        cache: Optional[Cache] = None,
+        use_cache: Optional[bool] = None,
+        output_attentions: Optional[bool] = None,
+        output_hidden_states: Optional[bool] = None,
+        return_dict: Optional[bool] = None,
+        attention_window: Optional[int] = None,
+        cache_position: Optional[torch.LongTensor] = None,
+        past_key_values: Optional[Cache] = None,
+        inputs_embeds: None = None,
+        *,
+        compiled_parts: Optional[NeedleCompiledParts] = None,
+    ) -> Union[BaseModelOutputWithPast, tuple]:
+        """Run the backbone on ``input_ids`` [B, S].
+
+        Args:
+            attention_mask: [B, past + S] (or [B, max_cache_len] with a static cache), 1 for real tokens
+                and 0 for padding (left or right).
+            position_ids: [B, S]; default ``cumsum(attention_mask) - 1`` (or ``past + arange(S)``).
+            cache: a transformers `DynamicCache` or `StaticCache`, which also carries the engram state
+                (`NeedleEngramCacheLayer`); created when ``use_cache`` and none is given.
+                ``past_key_values`` is its name before transformers 5.
+            cache_position: [S] where the new tokens go in the cache (default: after the cached ones).
+            inputs_embeds: only None: PEFT and TRL pass it on every call, but Needle reads token ids
+                (its engram memory hashes them).
+            output_hidden_states: return ``(x0, lane mean after layer 1, ..., after layer L)``; the
+                final-normed output is ``last_hidden_state``.
+            output_attentions: return each layer's attention probabilities (eager attention only).
+            attention_window: attend to the last ``n`` key slots only (0: all); default
+                ``config.attention_window`` (0, full attention). `generate(attention_window=n)` passes it.
+            compiled_parts: compiled layers and engram memory to run instead of the modules (what
+                `NeedleForCausalLM.get_compiled_call` passes); None runs the modules.
+        """
+        _refuse_inputs_embeds(inputs_embeds)
+        cache = merge_cache_arguments(past_key_values, cache)
+        use_cache = _config_default(use_cache, self.config, "use_cache", True)
+        output_attentions = _config_default(output_attentions, self.config, "output_attentions", False)
+        output_hidden_states = _config_default(output_hidden_states, self.config, "output_hidden_states", False)
+        return_dict = _config_default(return_dict, self.config, "return_dict", True)
+        if output_attentions and self.config._attn_implementation != "eager":
+            raise ValueError(
+                f"output_attentions needs eager attention; this model uses {self.config._attn_implementation!r} "
+                "(load it with attn_implementation='eager')"
+            )
+        if self.gradient_checkpointing and self.training and use_cache:
+            use_cache = False  # recomputed layers would write their keys twice
+        if use_cache and cache is None:
+            cache = DynamicCache(config=self.config)
+        if not use_cache:
+            cache = None
+
+        batch, length = input_ids.shape
+        device = input_ids.device
+        static = cache is not None and is_static_cache(cache)
+        if cache_position is None:
+            past = cache.get_seq_length() if cache is not None else 0
+            cache_position = torch.arange(length, device=device) + past
+        if static:
+            key_length = static_cache_length(cache)
+        else:
+            key_length = (cache.get_seq_length() if cache is not None else 0) + length
+            if attention_mask is not None and tuple(attention_mask.shape) != (batch, key_length):
+                raise ValueError(
+                    f"attention_mask must cover the cached and the new tokens: expected shape {(batch, key_length)}, "
+                    f"got {tuple(attention_mask.shape)}"
+                )
+        window = self.config.attention_window if attention_window is None else int(attention_window)
+        step = self.step_inputs(batch, length, cache_position, key_length, attention_mask, position_ids,
+                                attention_window=window)
+        hidden, all_hidden, all_attentions = self.forward_with_step_inputs(
+            input_ids, step, cache, output_hidden_states=output_hidden_states, output_attentions=output_attentions,
+            compiled_parts=compiled_parts,
+        )
+        output = BaseModelOutputWithPast(
+            last_hidden_state=hidden,
+            hidden_states=all_hidden,
+            attentions=all_attentions,
+            **{BASE_CACHE_OUTPUT_FIELD: cache},
+        )
+        return output if return_dict else output.to_tuple()
+
+    def forward_with_step_inputs(
+        self,
+        input_ids: torch.Tensor,
+        step: NeedleStepInputs,
+        cache: Optional[Cache],
+        *,
+        output_hidden_states: bool = False,
+        output_attentions: bool = False,
+        compiled_parts: Optional[NeedleCompiledParts] = None,
+    ) -> tuple[torch.Tensor, Optional[tuple], Optional[tuple]]:
+        """The layers over ``input_ids`` [B, S] with the call's `step_inputs` already made (MTP decoding
+        shares them with its head) -> (final-normed hidden [B, S, d], hidden states or None, attentions or None).
+        ``compiled_parts``: see `forward`."""
+        layers = self.layers if compiled_parts is None else compiled_parts.layers
+        engram_memory = self.engram_memory if compiled_parts is None else compiled_parts.engram_memory
+        x0 = self.embed(input_ids).to(self.embed_tokens.weight.dtype)  # [B, S, d]
+        memory = engram_memory(input_ids, step, cache)
+        # Contiguous, like every later layer's input: a compiled layer then serves the first one too.
+        lanes = x0[:, :, None, :].expand(-1, -1, self.config.hyper_connection_lanes, -1).contiguous()  # [B, S, L, d]
+
+        all_hidden = (x0,) if output_hidden_states else None
+        all_attentions = () if output_attentions else None
+        caches = layer_caches(cache, len(self.layers))
+        lane_offsets = zip(step.pre_offsets.unbind(0), step.post_offsets.unbind(0))
+        for i, (layer, offsets) in enumerate(zip(layers, lane_offsets)):
+            key, value = memory.get(i, (None, None))
+            lanes, probs = layer(lanes, key, value, step, cache=caches[i], lane_offsets=offsets,
+                                 output_attentions=output_attentions)
+            if output_hidden_states:
+                all_hidden += (lane_mean(lanes),)
+            if output_attentions:
+                all_attentions += (probs,)
+        return self.norm(lane_mean(lanes)), all_hidden, all_attentions
+
+
+# --------------------------------------------------------------------------------------------------
+# Causal LM with the optional heads
+
+
+class NeedleForCausalLM(NeedlePreTrainedModel, GenerationMixin):
+    """Needle 2 for generation: the backbone, tied float32 logits, and the optional MTP,
+    contrastive and confidence heads (present when the config says so).
+
+    Weight names: ``model.*`` (the backbone), ``mtp.*``, ``contrastive_head.*``, ``confidence_head.*``.
+    """
+
+    # `lm_head.weight` is `model.embed_tokens.weight` (config.tie_word_embeddings is always True).
+    _tied_weights_keys = _TIED_WEIGHTS_KEYS
+    # The forward takes `num_items_in_batch` (so `Trainer` leaves the loss normalisation to it).
+    accepts_loss_kwargs = True
+
+    def __init__(self, config: NeedleConfig):
+        super().__init__(config)
+        self.model = NeedleModel(config)
+        # Registered after the backbone, so parameter listings name the shared tensor by its source;
+        # built without an initial draw (`skip_init`): its weight is replaced by the embedding's.
+        self.lm_head = torch.nn.utils.skip_init(nn.Linear, config.hidden_size, config.vocab_size, bias=False)
+        self.mtp = NeedleMultiTokenPrediction(config) if config.use_mtp_head else None
+        self.contrastive_head = NeedleContrastiveHead(config) if config.use_contrastive_head else None
+        self.confidence_head = NeedleConfidenceHead(config) if config.use_confidence_head else None
+        self.post_init()  # ties lm_head.weight to model.embed_tokens.weight
+        self._register_load_state_dict_pre_hook(_fill_tied_alias, with_module=True)  # public from torch 2.5
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding):
+        self.model.embed_tokens = value
+
+    def get_output_embeddings(self) -> nn.Linear:
+        """The bias-less output head, whose weight is the token embedding's: logits = hidden @ embed_tokens.weight.T."""
+        return self.lm_head
+
+    def set_output_embeddings(self, new_embeddings: nn.Linear):
+        self.lm_head = new_embeddings
+
+    def get_decoder(self) -> NeedleModel:
+        return self.model
+
+    @property
+    def engram_context_length(self) -> int:
+        return self.model.engram_context_length
+
+    def tied_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 ``hidden @ E.T``: [B, S, d] -> [B, S, V] (``E`` = ``lm_head.weight`` = the token embedding)."""
+        hidden = quantize_activations(hidden, self.config)  # deploy numerics hook
+        return tied_logits(hidden, self.lm_head.weight)
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor,
+        attention_mask: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.LongTensor] = None,
+        cache: Optional[Cache] = None,
+        labels: Optional[torch.LongTensor] = None,
+        use_cache: Optional[bool] = None,
+        output_attentions: Optional[bool] = None,
+        output_hidden_states: Optional[bool] = None,
+        return_dict: Optional[bool] = None,
+        cache_position: Optional[torch.LongTensor] = None,
+        logits_to_keep: Union[int, torch.Tensor] = 0,
+        return_mtp_logits: bool = False,
+        attention_window: Optional[int] = None,
+        num_items_in_batch: Optional[Union[int, torch.Tensor]] = None,
+        shift_labels: Optional[torch.LongTensor] = None,
+        past_key_values: Optional[Cache] = None,
+        inputs_embeds: None = None,
+        *,
+        compiled_parts: Optional[NeedleCompiledParts] = None,
+    ) -> Union[NeedleCausalLMOutput, tuple]:
+        """Logits [B, S, V] float32 of ``input_ids`` [B, S] (see `NeedleModel.forward` for the inputs).
+
+        Args:
+            labels: [B, S] token ids (-100 = ignored); the loss is next-token cross-entropy
+                (transformers' `ForCausalLMLoss`: labels shift left by one inside).
+            shift_labels: [B, S] labels already aligned with the logits (instead of ``labels``).
+            num_items_in_batch: the number of target tokens of the whole (accumulated) batch: the loss
+                is then a sum divided by it, so gradient accumulation matches one big batch.
+            logits_to_keep: keep the logits of the last ``n`` positions (int, 0 = all) or of the given
+                position indices (tensor); applies to ``mtp_logits`` too.
+            return_mtp_logits: also return ``mtp_logits`` (``mtp_logits[:, t]`` scores token t + 2);
+                only on a forward over the whole text (empty cache).
+            compiled_parts: see `NeedleModel.forward` (`get_compiled_call` passes them).
+        """
+        forward_arguments = dict(locals())  # deploy numerics hook (first statement: the arguments only)
+        qat_weights = training_weights(self)  # deploy numerics hook: QAT reruns on CQ weights
+        if qat_weights is not None:  # deploy numerics hook
+            return forward_on_training_weights(self, qat_weights, forward_arguments)  # deploy numerics hook
+        _refuse_inputs_embeds(inputs_embeds)
+        cache = merge_cache_arguments(past_key_values, cache)
+        return_dict = _config_default(return_dict, self.config, "return_dict", True)
+        if return_mtp_logits and self.mtp is None:
+            raise ValueError("this model has no MTP head (config.use_mtp_head is False)")
+        if return_mtp_logits and cache is not None and cache.get_seq_length() > 0:
+            raise ValueError("mtp_logits need the whole text: call with an empty cache (the MTP block is not cached)")
+
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            use_cache=use_cache,
+            output_attentions=output_attentions,
+            output_hidden_states=output_hidden_states,
+            return_dict=True,
+            cache_position=cache_position,
+            attention_window=attention_window,
+            compiled_parts=compiled_parts,
+        )
+        hidden = outputs.last_hidden_state
+        keep = _positions_to_keep(logits_to_keep)
+        logits = self.tied_logits(hidden[:, keep]) if compiled_parts is None else compiled_parts.output_head(hidden[:, keep])
+
+        mtp_logits = None
+        if return_mtp_logits:
+            batch, length = input_ids.shape
+            positions = torch.arange(length, device=input_ids.device)
+            window = self.config.attention_window if attention_window is None else int(attention_window)
+            step = self.model.step_inputs(batch, length, positions, length, attention_mask, position_ids,
+                                          attention_window=window)
+            next_ids = torch.cat([input_ids[:, 1:], torch.zeros_like(input_ids[:, :1])], dim=1)
+            predicted = self.mtp(hidden, self.model.embed(next_ids), step)
+            mtp_logits = self.tied_logits(predicted[:, keep])
+
+        loss = None
+        if labels is not None or shift_labels is not None:
+            if logits.shape[1] != input_ids.shape[1]:
+                raise ValueError("labels need the logits of every position: leave logits_to_keep at 0")
+            loss = self.loss_function(
+                logits=logits,
+                labels=labels,
+                vocab_size=self.config.vocab_size,
+                num_items_in_batch=num_items_in_batch,
+                shift_labels=shift_labels,
+            )
+
+        output = NeedleCausalLMOutput(
+            loss=loss,
+            logits=logits,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+            mtp_logits=mtp_logits,
+            **{CACHE_OUTPUT_FIELD: getattr(outputs, BASE_CACHE_OUTPUT_FIELD)},
+        )
+        return output if return_dict else output.to_tuple()
+
+    def generate(self, inputs: Optional[torch.Tensor] = None, generation_config=None, **kwargs):
+        """`GenerationMixin.generate` (with ``use_mtp=True``, argument or generation config: greedy decoding
+        with MTP self-speculation, `speculative.mtp_generate`: the same tokens, fewer backbone forwards),
+        on one intra-op thread on the CPU unless the user chose a count.
+
+        A decoding step is thousands of small ops; with several OpenMP threads each op that opens a
+        parallel region waits for every thread to be scheduled, which on a loaded machine makes
+        decoding several times slower than one thread (whose speed does not depend on the load). A
+        thread count set with ``torch.set_num_threads`` (after importing this module) or
+        ``OMP_NUM_THREADS`` is left alone; the previous count is restored afterwards either way.
+        """
+        if self.device.type != "cpu" or _threads_chosen_by_user():
+            return self._generate_with_drafts(inputs, generation_config, **kwargs)
+        previous = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return self._generate_with_drafts(inputs, generation_config, **kwargs)
+        finally:
+            torch.set_num_threads(previous)
+
+    def get_compiled_call(self, compile_config) -> "LayerCompiledCall":
+        """The decoding step `generate` runs with a static cache when it compiles (``compile_config``):
+        the model with each decoder layer and the engram memory compiled (`LayerCompiledCall`), not one
+        whole-model graph.
+        The prefill stays eager, as in transformers."""
+        from transformers import CompileConfig
+
+        options = (compile_config or getattr(self.generation_config, "compile_config", None) or CompileConfig()).to_dict()
+        if getattr(self, "_compiled_call", None) is None or self._compiled_call.options != options:
+            self._compiled_call = LayerCompiledCall(self, options)
+        return self._compiled_call
+
+    def _valid_auto_compile_criteria(self, model_kwargs: dict, generation_config) -> bool:
+        """transformers compiles the decoding step on accelerators only; on the CPU a ``compile_config``
+        passed to `generate` (with a static cache) asks for it."""
+        requested = generation_config.compile_config
+        if requested is not None and self.device.type == "cpu" and not requested._compile_all_devices:
+            generation_config.compile_config = copy.copy(requested)
+            generation_config.compile_config._compile_all_devices = True
+        return super()._valid_auto_compile_criteria(model_kwargs, generation_config)
+
+    def _generate_with_drafts(self, inputs, generation_config, **kwargs):
+        use_mtp = kwargs.pop("use_mtp", None)
+        if use_mtp is None:
+            use_mtp = getattr(generation_config or self.generation_config, "use_mtp", None)
+        lookup = kwargs.get("prompt_lookup_num_tokens") or getattr(
+            generation_config or self.generation_config, "prompt_lookup_num_tokens", None
+        )
+        if not use_mtp and not lookup:
+            return super().generate(inputs, generation_config, **kwargs)
+        resolved, model_kwargs = self._prepare_generation_config(generation_config, **kwargs)
+        if not use_mtp:  # prompt lookup: 4.57 can overshoot the length limit, see `trim_to_max_length`
+            output = super().generate(inputs, generation_config, **kwargs)
+            prompt = inputs if inputs is not None else kwargs["input_ids"]
+            limit = resolved.max_length if resolved.max_new_tokens is None else prompt.shape[1] + resolved.max_new_tokens
+            return trim_to_max_length(output, limit)
+        input_ids = inputs if inputs is not None else model_kwargs.pop("input_ids", None)
+        if input_ids is None:
+            raise ValueError("use_mtp=True needs input_ids")
+        return mtp_generate(self, input_ids, resolved, **model_kwargs)
+
+    def prepare_inputs_for_generation(self, input_ids: torch.LongTensor, *args, **kwargs) -> dict:
+        """`GenerationMixin`'s preparation, after checking that the text fits the model's positions."""
+        limit = self.config.max_position_embeddings
+        if input_ids.shape[1] > limit:
+            raise ValueError(
+                f"the text reaches {input_ids.shape[1]} positions, more than max_position_embeddings={limit}; "
+                "shorten the prompt or max_new_tokens"
+            )
+        model_inputs = super().prepare_inputs_for_generation(input_ids, *args, **kwargs)
+        # Filled in (as None) by transformers 4.57 for every model; Needle reads token ids only.
+        model_inputs.pop("inputs_embeds", None)
+        return model_inputs
+
+    def create_masks_for_generate(
+        self,
+        config: NeedleConfig,
+        attention_mask: Optional[torch.Tensor],
+        cache: Optional[Cache] = None,
+        past_key_values: Optional[Cache] = None,
+        **generation_metadata,
+    ) -> Optional[torch.Tensor]:
+        """`GenerationMixin`'s hook for compilable (static) caches: keep the 2-D padding mask, padded
+        with zeros to the cache's length, so every decoding step sees the same shapes. (The other
+        arguments transformers passes here, shapes and token types, differ between versions and say
+        nothing the mask does not.)"""
+        cache = cache if cache is not None else past_key_values
+        if attention_mask is None or cache is None or not is_static_cache(cache):
+            return attention_mask
+        return F.pad(attention_mask, (0, static_cache_length(cache) - attention_mask.shape[1]))
+
+    # ----------------------------------------------------------------------------------------------
+    # Probe-pooling heads
+
+    def _probe_cells(
+        self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cells [B, T, L + 1, d] float32 (``x0`` and the lane mean after every layer) and their keep mask [B, T].
+
+        Without an attention_mask, padding is ``input_ids == pad_token_id``. Positions are 0..T-1 as in
+        the reference (RoPE is relative, so left padding does not change the result).
+        """
+        if attention_mask is None:
+            attention_mask = (input_ids != self.config.pad_token_id).long()
+        batch, length = input_ids.shape
+        positions = torch.arange(length, device=input_ids.device)[None].expand(batch, -1)
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=positions,
+            use_cache=False,
+            output_hidden_states=True,
+            return_dict=True,
+        )
+        return self.cells_from_hidden_states(input_ids, outputs.hidden_states), attention_mask.bool()
+
+    def cells_from_hidden_states(self, input_ids: torch.Tensor, hidden_states: tuple) -> torch.Tensor:
+        """The heads' cells [B, T, L + 1, d] float32 from a forward's ``hidden_states`` (``output_hidden_states=True``):
+        ``x0`` and the lane mean after every layer. Lets a training step read the heads off its own forward."""
+        return torch.stack([self.model.embed(input_ids), *[h.float() for h in hidden_states[1:]]], dim=2)
+
+    def contrastive_embedding(
+        self, input_ids: torch.LongTensor, attention_mask: Optional[torch.Tensor] = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tool-retrieval embedding: (L2-normalised [B, contrastive_dim], log_temperature scalar)."""
+        if self.contrastive_head is None:
+            raise ValueError("this model has no contrastive head (config.use_contrastive_head is False)")
+        cells, keep = self._probe_cells(input_ids, attention_mask)
+        embedding = self.contrastive_head(cells, keep, self.model.embed_tokens.weight.dtype)
+        return embedding, self.contrastive_head.log_temperature
+
+    def confidence_logit(
+        self, input_ids: torch.LongTensor, attention_mask: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
+        """Answer-confidence logit [B] float32."""
+        if self.confidence_head is None:
+            raise ValueError("this model has no confidence head (config.use_confidence_head is False)")
+        cells, keep = self._probe_cells(input_ids, attention_mask)
+        return self.confidence_head(cells, keep, self.model.embed_tokens.weight.dtype)
+
+
+def _fill_tied_alias(module, state_dict, prefix, *args):
+    """`load_state_dict` pre-hook: a state dict of the weight table (no ``lm_head.weight``) loads
+    strictly, since the tied head is the embedding; an alias that differs from it is refused."""
+    for tied, source in TIED_WEIGHTS.items():
+        tied, source = prefix + tied, prefix + source
+        if source not in state_dict:
+            continue  # reported as missing by the load itself
+        if tied not in state_dict:
+            state_dict[tied] = state_dict[source]
+        elif not torch.equal(state_dict[tied], state_dict[source]):
+            raise NeedleWeightsError(
+                f"state dict: {tied} differs from {source}; Needle's output head is tied to the token embedding"
+            )
+
+
+def _positions_to_keep(logits_to_keep: Union[int, torch.Tensor]) -> Union[slice, torch.Tensor]:
+    if isinstance(logits_to_keep, int):
+        return slice(-logits_to_keep, None) if logits_to_keep > 0 else slice(None)
+    return logits_to_keep
+
+
+__all__ = ["NeedlePreTrainedModel", "NeedleModel", "NeedleForCausalLM", "NeedleCausalLMOutput", "NeedleWeightsError"]

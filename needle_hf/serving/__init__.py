@@ -1,0 +1,1 @@
+"""Serving engines: the vLLM plugin (`needle_hf.serving.vllm`)."""
