@@ -67,7 +67,7 @@ def resolve_scheme(config, *, bits: int | None, bits_map: str | None) -> tuple[i
     if bits is None and not bits_map and config.weight_bits:
         bits_map = config.weight_bits
     if bits_map:
-        parse_bits_map(bits_map)  # refuses a malformed map before any work
+        parse_bits_map(bits_map, engram_sites=len(config.engram_layers))  # refuses a bad map before any work
         return 4, bits_map, f"CQ mixed[{bits_map}]"
     bits = 4 if bits is None else bits
     return bits, None, f"CQ W{bits}"
@@ -130,7 +130,7 @@ def build_cact(
         hf_dir: the HF folder (config.json + model.safetensors).
         out_path: the `.cact` to write (its parent must exist).
         bits: CQ width 2, 3 or 4 for every quantized matrix.
-        bits_map: per-tensor widths, "prefix=bits,...,default=bits" (1.58 = ternary).
+        bits_map: per-tensor widths, "name=bits,...,default=bits" (1.58 = ternary).
         lora: a PEFT LoRA adapter folder, or a reference `needle_lora.pkl`, to merge first.
         tokenizer: a SentencePiece `.model` or a `.cact` to take the tokenizer from.
         embed_tokenizer: False writes a blob without the RAW tokenizer record.
@@ -142,9 +142,8 @@ def build_cact(
     hf_dir, out_path = Path(hf_dir), Path(out_path).absolute()
     if not hf_dir.is_dir():
         raise CactWriteError(f"{hf_dir} is not a folder; expected a saved Hugging Face Needle folder")
-    inputs = {"Hugging Face folder": hf_dir, "adapter": lora, "tokenizer": tokenizer}
-    check_output_file(out_path, {label: Path(path) for label, path in inputs.items() if path is not None},
-                      command="build", kind=".cact", overwrite=overwrite, error=CactWriteError)
+    input_paths = {"Hugging Face folder": hf_dir, "adapter": lora, "tokenizer": tokenizer}
+    check_output_file(out_path, input_paths, command="build", kind=".cact", overwrite=overwrite, error=CactWriteError)
 
     progress(f"reading {hf_dir}")
     config = read_hf_config(hf_dir)
@@ -166,5 +165,6 @@ def build_cact(
     del params
     progress(f"writing {out_path} ({len(data):,} bytes) and reading it back")
     records = []
-    write_atomically(out_path, data, check=lambda staged: records.extend(read_cact(staged).records))
+    write_atomically(out_path, data, inputs=input_paths, command="build",
+                     check=lambda staged: records.extend(read_cact(staged).records))
     return BuildResult(out_path, len(records), len(data), scheme, kv_window, tokenizer_source, time.perf_counter() - started)

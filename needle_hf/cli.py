@@ -24,7 +24,6 @@ import sys
 import time
 from typing import Callable, Sequence
 
-from needle_hf.conversion.atomic_output import check_output_outside_inputs
 from needle_hf.conversion.convert import convert
 from needle_hf.conversion.export import OUTPUT_DTYPES, export_native
 from needle_hf.conversion.verification import VERIFY_BACKENDS
@@ -143,44 +142,17 @@ def _run_lora(args: argparse.Namespace) -> int:
 
 
 def _run_lora_import(args: argparse.Namespace) -> int:
-    from pathlib import Path
+    from needle_hf.conversion.lora import import_native_adapter
 
-    from needle_hf.conversion.export import read_hf_config
-    from needle_hf.conversion.lora import read_native_adapter, write_peft_adapter
-
-    check_output_outside_inputs(Path(args.out_dir), {"adapter": Path(args.adapter), "base folder": Path(args.base)},
-                                command="lora import")
-    config = read_hf_config(Path(args.base))
-    adapter = read_native_adapter(args.adapter, config)
-    out_dir = write_peft_adapter(args.out_dir, adapter, config, base_model=str(Path(args.base).absolute()),
-                                 overwrite=args.overwrite)
+    out_dir, adapter = import_native_adapter(args.adapter, args.out_dir, base=args.base, overwrite=args.overwrite)
     print(f"wrote {out_dir}: rank-{adapter.rank} LoRA on {', '.join(adapter.pairs)}, scale {adapter.scale:g}", flush=True)
     return 0
 
 
 def _run_lora_export(args: argparse.Namespace) -> int:
-    import json
-    from pathlib import Path
+    from needle_hf.conversion.lora import export_peft_adapter
 
-    from needle_hf.conversion.export import read_hf_config
-    from needle_hf.conversion.lora import ADAPTER_CONFIG_NAME, AdapterError, read_peft_adapter, write_native_adapter
-
-    out_path = Path(args.out_path)
-    check_output_outside_inputs(out_path, {"adapter folder": Path(args.peft_dir)}, command="lora export")
-    if out_path.exists() and (out_path.is_dir() or not args.overwrite):
-        raise AdapterError(f"{out_path} exists; pass --overwrite to replace it")
-    base = args.base
-    if base is None:
-        settings = Path(args.peft_dir) / ADAPTER_CONFIG_NAME
-        recorded = json.loads(settings.read_text(encoding="utf-8")).get("base_model_name_or_path") if settings.is_file() else None
-        if not recorded or not (Path(recorded) / "config.json").is_file():
-            raise AdapterError(f"{args.peft_dir}: base_model_name_or_path {recorded!r} is not a local HF folder; "
-                               "pass --base HF_DIR")
-        base = recorded
-    config = read_hf_config(Path(base))
-    adapter = read_peft_adapter(args.peft_dir, config)
-    adapter.metadata["base"] = str(Path(base).absolute())
-    write_native_adapter(out_path, adapter)
+    out_path, adapter = export_peft_adapter(args.peft_dir, args.out_path, base=args.base, overwrite=args.overwrite)
     print(f"wrote {out_path}: rank-{adapter.rank} LoRA on {', '.join(adapter.pairs)}, scale {adapter.scale:g}", flush=True)
     return 0
 
