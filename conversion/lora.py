@@ -476,13 +476,13 @@ def export_peft_adapter(peft_dir, out_path, *, base=None, overwrite: bool = Fals
     from .export import read_hf_config
 
     peft_dir, out_path = Path(peft_dir), Path(out_path).absolute()
-    inputs = {"adapter folder": peft_dir, "base folder": None if base is None else Path(base)}
-    check_output_file(out_path, inputs, command="lora export", kind=".pkl", overwrite=overwrite, error=AdapterError)
     if base is None:
+        check_output_outside_inputs(out_path, {"adapter folder": peft_dir}, command="lora export")
         if not peft_dir.is_dir():
             raise AdapterError(f"{peft_dir} is not a folder; expected a PEFT adapter folder")
-        inputs["base folder"] = base = recorded_base(peft_dir)
-        check_output_outside_inputs(out_path, inputs, command="lora export")
+        base = recorded_base(peft_dir)
+    inputs = {"adapter folder": peft_dir, "base folder": Path(base)}
+    check_output_file(out_path, inputs, command="lora export", kind=".pkl", overwrite=overwrite, error=AdapterError)
     base = Path(base)
     config = read_hf_config(base)
     adapter = read_peft_adapter(peft_dir, config)

@@ -301,7 +301,7 @@ def test_config_switch_round_trips_and_is_checked(tmp_path):
     config.save_pretrained(tmp_path)
     assert NeedleConfig.from_pretrained(tmp_path).deploy_numerics is True
     assert NeedleConfig().deploy_numerics is False
-    with pytest.raises(ValueError, match="act_bits >= 2"):
+    with pytest.raises(ValueError, match=r"act_bits must be in \[2, 25\]"):
         deploy_config(act_bits=1, kv_bits=8)
 
 
