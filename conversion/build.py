@@ -59,14 +59,14 @@ class BuildResult:
 
 def resolve_scheme(config, *, bits: int | None, bits_map: str | None) -> tuple[int | float, str | None, str]:
     """(bits, bits_map, description): the explicit choice, else the config's `weight_bits` map, else CQ 4-bit."""
-    if bits is not None and bits_map:
+    if bits is not None and bits_map is not None:
         raise CactWriteError("give --bits or --bits-map, not both (a bits map sets every width, default included)")
     if bits is not None and bits not in BUILD_BITS:
         raise CactWriteError(f"--bits {bits}, expected one of {', '.join(map(str, BUILD_BITS))} "
                              f"(ternary: --bits-map default={TERNARY_BITS})")
-    if bits is None and not bits_map and config.weight_bits:
+    if bits is None and bits_map is None and config.weight_bits:
         bits_map = config.weight_bits
-    if bits_map:
+    if bits_map is not None:
         parse_bits_map(bits_map, engram_sites=len(config.engram_layers))  # refuses a bad map before any work
         return 4, bits_map, f"CQ mixed[{bits_map}]"
     bits = 4 if bits is None else bits
@@ -147,6 +147,8 @@ def build_cact(
 
     progress(f"reading {hf_dir}")
     config = read_hf_config(hf_dir)
+    if bits_map is not None:  # an explicit map, even an empty one, is checked before any other work
+        parse_bits_map(bits_map, engram_sites=len(config.engram_layers))
     adapter = None
     if lora is not None:
         adapter = read_native_adapter(lora, config) if Path(lora).is_file() else read_peft_adapter(lora, config)

@@ -304,8 +304,9 @@ def parse_bits_map(spec: str, *, engram_sites: int) -> tuple[dict, object]:
     """
     if not isinstance(spec, str):
         raise BitsMapError(f"bits map {spec!r}: expected a string \"name=bits,...,default=bits\"")
-    valid = bits_map_names(engram_sites)
-    listed = f"valid names: {', '.join(valid)} (or native paths of those tensors), and default"
+    names = bits_map_names(engram_sites)
+    valid = {canonical_tensor_name(name) for name in names}  # the group "engram0" reads as "engram0."
+    listed = f"valid names: {', '.join(names)} (or native paths of those tensors), and default"
     entries = [entry.strip() for entry in spec.split(",")]
     if not any(entries):
         raise BitsMapError(f"bits map {spec!r} is empty; expected \"name=bits,...,default=bits\" ({listed})")
@@ -323,7 +324,7 @@ def parse_bits_map(spec: str, *, engram_sites: int) -> tuple[dict, object]:
             raise BitsMapError(f"bits map {spec!r}: width {width} for {name!r}, expected one of 2, 3, 4 or {TERNARY_BITS}")
         if name == "default":
             if default is not None:
-                raise BitsMapError(f"bits map {spec!r}: default is given twice")
+                raise BitsMapError(f"bits map {spec!r}: default is given twice; {listed}")
             default = width
             continue
         canonical = canonical_tensor_name(name)
@@ -331,7 +332,7 @@ def parse_bits_map(spec: str, *, engram_sites: int) -> tuple[dict, object]:
             raise BitsMapError(f"bits map {spec!r}: unknown name {name!r}"
                                + (f" (read as {canonical!r})" if canonical != name else "") + f"; {listed}")
         if canonical in prefixes:
-            raise BitsMapError(f"bits map {spec!r}: {name!r} is given twice")
+            raise BitsMapError(f"bits map {spec!r}: {name!r} is given twice; {listed}")
         prefixes[canonical] = width
     if default is None:
         raise BitsMapError(f"bits map {spec!r} has no default=<bits> entry (every other tensor needs a width)")
