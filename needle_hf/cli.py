@@ -197,10 +197,18 @@ def error_line(command: str, error: BaseException) -> str:
     return f"needle-hf {command}: error: {text}"
 
 
+def _check_no_nul(args: argparse.Namespace):
+    """A NUL byte cannot be in a path; name the argument instead of the system's bare "embedded null byte"."""
+    for name, value in vars(args).items():
+        if isinstance(value, str) and "\0" in value:
+            raise ValueError(f"argument {name.upper()} {value!r} holds a NUL byte, which no path can hold")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one subcommand; returns the exit status (argparse exits with 2 on a usage error)."""
     args = build_parser().parse_args(argv)
     try:
+        _check_no_nul(args)
         return args.run(args)
     except INPUT_ERRORS as error:
         print(error_line(args.command, error), file=sys.stderr, flush=True)

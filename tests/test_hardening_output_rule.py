@@ -267,3 +267,46 @@ def test_a_failure_while_staging_names_the_output_and_leaves_nothing(workspace, 
     assert str(out) in error and ".partial-" not in error, error
     assert sorted(case.iterdir()) == []
     shutil.rmtree(case)
+
+
+# ------------------------------------------------------------------------------------------------
+# Generated paths: every writing command ends with one error line or a usage error, never a traceback.
+
+PATHS = st.one_of(
+    st.text(max_size=12),
+    st.sampled_from(["", ".", "..", "/", "/dev/null", "/dev/full", "/proc/self", "\x00", "a\x00b", "\udcff", "x" * 5000,
+                     "base", "base/", "peft", "adapter.pkl", "source.pkl", "tokenizer.model", "cases"]),
+)
+ARGV = {
+    "convert": lambda a, b: ["convert", a, b],
+    "export": lambda a, b: ["export", a, b, "--overwrite"],
+    "build": lambda a, b: ["build", a, b, "--lora", "peft"],
+    "lora import": lambda a, b: ["lora", "import", a, b, "--base", "base"],
+    "lora export": lambda a, b: ["lora", "export", a, b],
+    "push": lambda a, b: ["push", a, b],
+}
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(command=st.sampled_from(sorted(ARGV)), source=PATHS, output=PATHS)
+def test_generated_paths_never_end_in_a_traceback(workspace, capsys, command, source, output):
+    if command == "push":
+        output = "org/" + output.replace("/", "")  # never a reachable Hub: the folder check runs first
+    before = _snapshot(workspace / "base")
+    cwd = os.getcwd()
+    os.chdir(workspace / "cases")
+    try:
+        capsys.readouterr()
+        try:
+            status = main(ARGV[command](source, output))
+        except SystemExit as usage:
+            status = usage.code
+    finally:
+        os.chdir(cwd)
+        for entry in (workspace / "cases").iterdir():
+            shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+    captured = capsys.readouterr()
+    assert status in (0, 1, 2) and "Traceback" not in captured.err, captured.err
+    if status == 1:
+        assert len([line for line in captured.err.splitlines() if ": error:" in line]) == 1, captured.err
+    assert _snapshot(workspace / "base") == before
