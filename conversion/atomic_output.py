@@ -137,9 +137,11 @@ def errors_name(target: Path, staging: Path):
     try:
         yield
     except OSError as failure:
-        if failure.errno is None:
-            raise
-        raise OSError(failure.errno, f"{failure.strerror} (writing {target})", str(target)) from None
+        named = os.fspath(failure.filename) if isinstance(failure.filename, (str, os.PathLike)) else None
+        if failure.errno is None or (named is not None and not named.startswith(str(staging))):
+            raise  # not about the staged output: the message already names the right file
+        shown = str(target) if named is None else str(target) + named[len(str(staging)):]
+        raise OSError(failure.errno, f"{failure.strerror} (writing {target})", shown) from None
     except ValueError as failure:
         text = str(failure)
         if str(staging) not in text and staging.name not in text:
