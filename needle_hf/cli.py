@@ -30,12 +30,18 @@ from needle_hf.conversion.verification import VERIFY_BACKENDS
 from needle_hf import hub
 
 
+def printable(text: str) -> str:
+    """`text` with any character the output encoding cannot hold escaped: a path from the command line
+    may carry undecodable bytes (as lone surrogates), which a strict stream would refuse to print."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def _progress(command: str) -> Callable[[str], None]:
     """A printer of progress lines on stderr, each with the seconds since the command started."""
     started = time.perf_counter()
 
     def report(line: str):
-        print(f"needle-hf {command} [{time.perf_counter() - started:6.1f} s] {line}", file=sys.stderr, flush=True)
+        print(printable(f"needle-hf {command} [{time.perf_counter() - started:6.1f} s] {line}"), file=sys.stderr, flush=True)
 
     return report
 
@@ -66,7 +72,7 @@ def _run_convert(args: argparse.Namespace) -> int:
         verify_with=args.verify_with,
         progress=_progress("convert"),
     )
-    print(result.summary(), flush=True)
+    print(printable(result.summary()), flush=True)
     hub.push_converted_folder(args, result.out_dir)
     return 0
 
@@ -89,7 +95,7 @@ def _run_export(args: argparse.Namespace) -> int:
         verify=args.verify,
         progress=_progress("export"),
     )
-    print(result.summary(), flush=True)
+    print(printable(result.summary()), flush=True)
     return 0
 
 
@@ -115,7 +121,7 @@ def _run_build(args: argparse.Namespace) -> int:
     result = build_cact(args.hf_dir, args.out_path, bits=args.bits, bits_map=args.bits_map, lora=args.lora,
                         tokenizer=args.tokenizer, embed_tokenizer=args.embed_tokenizer, overwrite=args.overwrite,
                         progress=_progress("build"))
-    print(result.summary(), flush=True)
+    print(printable(result.summary()), flush=True)
     return 0
 
 
@@ -145,7 +151,8 @@ def _run_lora_import(args: argparse.Namespace) -> int:
     from needle_hf.conversion.lora import import_native_adapter
 
     out_dir, adapter = import_native_adapter(args.adapter, args.out_dir, base=args.base, overwrite=args.overwrite)
-    print(f"wrote {out_dir}: rank-{adapter.rank} LoRA on {', '.join(adapter.pairs)}, scale {adapter.scale:g}", flush=True)
+    print(printable(f"wrote {out_dir}: rank-{adapter.rank} LoRA on {', '.join(adapter.pairs)}, scale {adapter.scale:g}"),
+          flush=True)
     return 0
 
 
@@ -153,7 +160,8 @@ def _run_lora_export(args: argparse.Namespace) -> int:
     from needle_hf.conversion.lora import export_peft_adapter
 
     out_path, adapter = export_peft_adapter(args.peft_dir, args.out_path, base=args.base, overwrite=args.overwrite)
-    print(f"wrote {out_path}: rank-{adapter.rank} LoRA on {', '.join(adapter.pairs)}, scale {adapter.scale:g}", flush=True)
+    print(printable(f"wrote {out_path}: rank-{adapter.rank} LoRA on {', '.join(adapter.pairs)}, scale {adapter.scale:g}"),
+          flush=True)
     return 0
 
 
@@ -194,7 +202,7 @@ def error_line(command: str, error: BaseException) -> str:
         text = f"{type(error).__name__}: the input is nested too deeply or too large ({text})"
     if len(text) > MAX_ERROR_CHARS:
         text = text[:MAX_ERROR_CHARS] + "..."
-    return f"needle-hf {command}: error: {text}"
+    return printable(f"needle-hf {command}: error: {text}")
 
 
 def _check_no_nul(args: argparse.Namespace):
