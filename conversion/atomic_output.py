@@ -18,6 +18,7 @@ put back at the target when the target is missing (otherwise removed).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import errno
@@ -36,32 +37,121 @@ class OutputOverlapsInputError(ValueError):
     """The output path equals, contains or lies inside an input path; nothing was written or removed."""
 
 
-def check_output_outside_inputs(output: Path, inputs: dict[str, Path], *, command: str):
-    """Refuse an output that equals, contains or lies inside one of `inputs` (label -> path)."""
-    out = Path(os.path.realpath(output))
+# Entries of an input folder examined for links into the output; a folder larger than this is
+# refused rather than half examined.
+MAX_INPUT_ENTRIES = 100_000
+
+
+def _resolved(path) -> Path:
+    return Path(os.path.realpath(os.fspath(path)))
+
+
+def _overlap(out: Path, source: Path) -> str | None:
+    if out == source:
+        return "is"
+    if source.is_relative_to(out):
+        return "contains"
+    if out.is_relative_to(source):
+        return "lies inside"
+    return None
+
+
+def _linked_entries(folder: Path, *, command: str):
+    """(entry, resolved target) of every symbolic link under the input `folder`."""
+    count = 0
+    for root, directories, files in os.walk(folder):
+        for name in (*directories, *files):
+            count += 1
+            if count > MAX_INPUT_ENTRIES:
+                raise OutputOverlapsInputError(
+                    f"{folder} holds more than {MAX_INPUT_ENTRIES} entries; `needle-hf {command}` reads a model "
+                    "folder, not a tree of that size")
+            entry = Path(root) / name
+            if entry.is_symlink():
+                yield entry, _resolved(entry)
+
+
+def check_output_outside_inputs(output, inputs: dict, *, command: str):
+    """The one rule every writer applies before any work: refuse an `output` that is, contains or
+    lies inside one of `inputs` (label -> path; None entries are skipped).
+
+    Paths are compared after resolving symbolic links (relative paths, `..`, trailing slashes and
+    links all reduce to the same real path), so an output linked into an input, or an input linked
+    into the output, is refused too; so is an input folder with a link that resolves into the output
+    (a Hub cache snapshot links its files into a blob folder).
+    """
+    out = _resolved(output)
     for label, path in inputs.items():
-        source = Path(os.path.realpath(path))
-        if out == source or source.is_relative_to(out) or out.is_relative_to(source):
-            relation = "is" if out == source else ("contains" if source.is_relative_to(out) else "lies inside")
+        if path is None:
+            continue
+        source = _resolved(path)
+        relation = _overlap(out, source)
+        if relation is None and source.is_dir():
+            for entry, target in _linked_entries(source, command=command):
+                if _overlap(out, target) is not None:
+                    relation = f"{_overlap(out, target)} the target {target} of the link {entry} in"
+                    break
+        if relation is not None:
             raise OutputOverlapsInputError(
                 f"{output} {relation} the {label} {path}; `needle-hf {command}` never writes over its input: "
                 "choose an output path outside it"
             )
 
 
-def check_output_file(output: Path, inputs: dict[str, Path], *, command: str, kind: str, overwrite: bool,
+def check_output_file(output, inputs: dict, *, command: str, kind: str, overwrite: bool,
                       error: type[Exception]):
     """Refuse an output file path before any work: over an input (`check_output_outside_inputs`), a
     folder, an existing file without `overwrite`, or a missing parent folder (raised as `error`).
     Debris of an earlier killed run at `output` is cleaned first."""
+    output = Path(output)
     check_output_outside_inputs(output, inputs, command=command)
     clean_debris(output)
     if output.is_dir():
         raise error(f"{output} is a folder; give the path of the {kind} to write")
+    if os.path.lexists(output) and not output.is_file():
+        raise error(f"{output} exists and is not a regular file; give the path of the {kind} to write")
     if output.exists() and not overwrite:
         raise error(f"{output} exists; pass --overwrite to replace it")
     if not output.parent.is_dir():
         raise error(f"the parent folder of {output} does not exist; create it first")
+
+
+def check_output_folder(output, inputs: dict, *, command: str, overwrite: bool, error: type[Exception]):
+    """Refuse an output folder path before any work: over an input (`check_output_outside_inputs`),
+    an existing non-folder, a non-empty folder without `overwrite`, or a missing parent folder
+    (raised as `error`). Debris of an earlier killed run at `output` is cleaned first."""
+    output = Path(output)
+    check_output_outside_inputs(output, inputs, command=command)
+    clean_debris(output)
+    if not output.parent.is_dir():
+        raise error(f"the parent folder of {output} does not exist; create it first")
+    if os.path.lexists(output) and not output.is_dir():
+        raise error(f"{output} exists and is not a folder")
+    if output.is_dir() and any(output.iterdir()) and not overwrite:
+        raise error(f"{output} exists and is not empty; pass --overwrite to replace it")
+
+
+@contextlib.contextmanager
+def errors_name(target: Path, staging: Path):
+    """Report a failure while writing `staging` under the user's path `target`, never the staging name."""
+    try:
+        yield
+    except OSError as failure:
+        named = os.fspath(failure.filename) if isinstance(failure.filename, (str, os.PathLike)) else None
+        if failure.errno is None or (named is not None and not named.startswith(str(staging))):
+            raise  # not about the staged output: the message already names the right file
+        shown = str(target) if named is None else str(target) + named[len(str(staging)):]
+        raise OSError(failure.errno, f"{failure.strerror} (writing {target})", shown) from None
+    except ValueError as failure:
+        text = str(failure)
+        if str(staging) not in text and staging.name not in text:
+            raise
+        text = text.replace(str(staging), str(target)).replace(staging.name, target.name)
+        try:
+            renamed = type(failure)(text)
+        except Exception:  # an exception type with another constructor keeps the plain ValueError
+            renamed = ValueError(text)
+        raise renamed from None
 
 
 def staging_path(target: Path) -> Path:

@@ -59,15 +59,15 @@ class BuildResult:
 
 def resolve_scheme(config, *, bits: int | None, bits_map: str | None) -> tuple[int | float, str | None, str]:
     """(bits, bits_map, description): the explicit choice, else the config's `weight_bits` map, else CQ 4-bit."""
-    if bits is not None and bits_map:
+    if bits is not None and bits_map is not None:
         raise CactWriteError("give --bits or --bits-map, not both (a bits map sets every width, default included)")
     if bits is not None and bits not in BUILD_BITS:
         raise CactWriteError(f"--bits {bits}, expected one of {', '.join(map(str, BUILD_BITS))} "
                              f"(ternary: --bits-map default={TERNARY_BITS})")
-    if bits is None and not bits_map and config.weight_bits:
+    if bits is None and bits_map is None and config.weight_bits:
         bits_map = config.weight_bits
-    if bits_map:
-        parse_bits_map(bits_map)  # refuses a malformed map before any work
+    if bits_map is not None:
+        parse_bits_map(bits_map, engram_sites=len(config.engram_layers))  # refuses a bad map before any work
         return 4, bits_map, f"CQ mixed[{bits_map}]"
     bits = 4 if bits is None else bits
     return bits, None, f"CQ W{bits}"
@@ -130,7 +130,7 @@ def build_cact(
         hf_dir: the HF folder (config.json + model.safetensors).
         out_path: the `.cact` to write (its parent must exist).
         bits: CQ width 2, 3 or 4 for every quantized matrix.
-        bits_map: per-tensor widths, "prefix=bits,...,default=bits" (1.58 = ternary).
+        bits_map: per-tensor widths, "name=bits,...,default=bits" (1.58 = ternary).
         lora: a PEFT LoRA adapter folder, or a reference `needle_lora.pkl`, to merge first.
         tokenizer: a SentencePiece `.model` or a `.cact` to take the tokenizer from.
         embed_tokenizer: False writes a blob without the RAW tokenizer record.
@@ -142,12 +142,13 @@ def build_cact(
     hf_dir, out_path = Path(hf_dir), Path(out_path).absolute()
     if not hf_dir.is_dir():
         raise CactWriteError(f"{hf_dir} is not a folder; expected a saved Hugging Face Needle folder")
-    inputs = {"Hugging Face folder": hf_dir, "adapter": lora, "tokenizer": tokenizer}
-    check_output_file(out_path, {label: Path(path) for label, path in inputs.items() if path is not None},
-                      command="build", kind=".cact", overwrite=overwrite, error=CactWriteError)
+    input_paths = {"Hugging Face folder": hf_dir, "adapter": lora, "tokenizer": tokenizer}
+    check_output_file(out_path, input_paths, command="build", kind=".cact", overwrite=overwrite, error=CactWriteError)
 
     progress(f"reading {hf_dir}")
     config = read_hf_config(hf_dir)
+    if bits_map is not None:  # an explicit map, even an empty one, is checked before any other work
+        parse_bits_map(bits_map, engram_sites=len(config.engram_layers))
     adapter = None
     if lora is not None:
         adapter = read_native_adapter(lora, config) if Path(lora).is_file() else read_peft_adapter(lora, config)
@@ -166,5 +167,6 @@ def build_cact(
     del params
     progress(f"writing {out_path} ({len(data):,} bytes) and reading it back")
     records = []
-    write_atomically(out_path, data, check=lambda staged: records.extend(read_cact(staged).records))
+    write_atomically(out_path, data, inputs=input_paths, command="build",
+                     check=lambda staged: records.extend(read_cact(staged).records))
     return BuildResult(out_path, len(records), len(data), scheme, kv_window, tokenizer_source, time.perf_counter() - started)

@@ -32,7 +32,7 @@ from needle_hf.models.needle.numerics import CQ_WEIGHT_BITS, TERNARY_BITS, bits_
 from needle_hf.models.needle.tokenization_needle import PieceTable, PieceType
 
 from . import quantize
-from .atomic_output import clean_debris, publish_file, staging_path
+from .atomic_output import check_output_outside_inputs, clean_debris, errors_name, publish_file, staging_path
 from .cact import (
     _LAYER_TO_NATIVE,
     BLOB_ALIGNMENT,
@@ -210,7 +210,7 @@ def cact_bytes(params: dict, config, *, bits=4, bits_map: str | None = None, gro
         config: the model's `NeedleConfig`.
         bits: CQ width of every quantized matrix (2, 3, 4, or `TERNARY_BITS`), unless
             `bits_map` is given.
-        bits_map: per-tensor widths, "prefix=bits,...,default=bits" (see `needle_hf.models.needle.numerics.parse_bits_map`).
+        bits_map: per-tensor widths, "name=bits,...,default=bits" (see `needle_hf.models.needle.numerics.parse_bits_map`).
         group: CQ group size (a power of two).
         tokenizer: the piece table to embed as the RAW record, or None for a blob without one.
         kv_window: the header's window; default `deployment_kv_window(config)`.
@@ -218,7 +218,7 @@ def cact_bytes(params: dict, config, *, bits=4, bits_map: str | None = None, gro
     if group < 8 or group & (group - 1):
         raise CactWriteError(f"CQ group size {group}, expected a power of two >= 8")
     if bits_map:
-        prefixes, default = parse_bits_map(bits_map)
+        prefixes, default = parse_bits_map(bits_map, engram_sites=len(config.engram_layers))
     else:
         if bits not in CQ_WEIGHT_BITS:
             raise CactWriteError(f"bits {bits}, expected one of 2, 3, 4 or {TERNARY_BITS} (ternary)")
@@ -260,21 +260,25 @@ def cact_bytes(params: dict, config, *, bits=4, bits_map: str | None = None, gro
     return bytes(out)
 
 
-def write_atomically(path, data: bytes, *, check=None) -> Path:
+def write_atomically(path, data: bytes, *, inputs: dict, command: str, check=None) -> Path:
     """Write `data` to `path` through a staging file beside it: `path` is either untouched or complete.
 
-    `check`, if given, is called with the staged file's path before it replaces `path`; an exception
-    from it leaves `path` untouched. Staging and debris follow `atomic_output`.
+    `inputs` (label -> path) are what the writing command read: `path` must lie outside each of them
+    (`atomic_output.check_output_outside_inputs`). `check`, if given, is called with the staged
+    file's path before it replaces `path`; an exception from it leaves `path` untouched. Staging and
+    debris follow `atomic_output`; a failure names `path`, not the staging file.
     """
     path = Path(path)
+    check_output_outside_inputs(path, inputs, command=command)
     clean_debris(path)
     staging = staging_path(path)
     try:
-        with open(staging, "xb") as handle:
-            handle.write(data)
-        if check is not None:
-            check(staging)
-        publish_file(staging, path)
+        with errors_name(path, staging):
+            with open(staging, "xb") as handle:
+                handle.write(data)
+            if check is not None:
+                check(staging)
+            publish_file(staging, path)
     except BaseException:
         staging.unlink(missing_ok=True)
         raise

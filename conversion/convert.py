@@ -64,7 +64,7 @@ from needle_hf.models.needle.tokenization_needle import (
 from needle_hf.models.needle.weight_names import native_to_hf, optional_heads_in_native
 
 from . import verification
-from .atomic_output import check_output_outside_inputs, clean_debris, publish_folder, staging_path
+from .atomic_output import check_output_folder, check_output_outside_inputs, errors_name, publish_folder, staging_path
 from .cact import CACT_TAG, read_cact
 from .export import SAFETENSORS_NAME, numpy_dtype
 from .safetensors_stream import write_safetensors
@@ -217,16 +217,7 @@ def default_output_dtype(source: SourceModel) -> str:
 
 
 # --------------------------------------------------------------------------------------------------
-# The output folder.
-
-
-def _check_output_dir(out_dir: Path, *, overwrite: bool):
-    if not out_dir.parent.is_dir():
-        raise ConversionError(f"the parent folder of {out_dir} does not exist; create it first")
-    if out_dir.exists() and not out_dir.is_dir():
-        raise ConversionError(f"{out_dir} exists and is not a folder")
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
-        raise ConversionError(f"{out_dir} exists and is not empty; pass --overwrite to replace it")
+# Checks before any work.
 
 
 def _check_config_fits_params(config: NeedleConfig, params: dict, source: Path):
@@ -336,9 +327,7 @@ def convert(
     inputs = {"source": Path(source_path)}
     if tokenizer is not None:
         inputs["tokenizer"] = Path(tokenizer)
-    check_output_outside_inputs(out_dir, inputs, command="convert")
-    clean_debris(out_dir)
-    _check_output_dir(out_dir, overwrite=overwrite)
+    check_output_folder(out_dir, inputs, command="convert", overwrite=overwrite, error=ConversionError)
     if dtype is not None:
         numpy_dtype(dtype)  # validates the name before any work
     backend = None if verify_with is None else verification.resolve_backend(verify_with)
@@ -378,46 +367,48 @@ def convert(
     source.params = None  # the HF tensors (views of its arrays) are all that is needed from here on
     tensors = cast_tensors(tensors, dtype)
 
-    # Steps 6-8, in a staging folder beside OUT_DIR.
+    # Steps 6-8, in a staging folder beside OUT_DIR; a failure names OUT_DIR, never the staging folder.
     staging = staging_path(out_dir)
-    os.mkdir(staging)  # the usual permissions (umask), which the published folder keeps
     try:
-        progress(f"writing {tensor_count} tensors ({parameters:,} parameters) to {SAFETENSORS_NAME}")
-        config.save_pretrained(str(staging))
-        _generation_config().save_pretrained(str(staging))
-        weights_path = staging / SAFETENSORS_NAME
-        write_safetensors(weights_path, tensors, metadata=verification.SAFETENSORS_METADATA)
-        if tokenizer_object is not None:
-            save_fast_tokenizer(tokenizer_object, str(staging))
+        with errors_name(out_dir, staging):
+            os.mkdir(staging)  # the usual permissions (umask), which the published folder keeps
+            progress(f"writing {tensor_count} tensors ({parameters:,} parameters) to {SAFETENSORS_NAME}")
+            config.save_pretrained(str(staging))
+            _generation_config().save_pretrained(str(staging))
+            weights_path = staging / SAFETENSORS_NAME
+            write_safetensors(weights_path, tensors, metadata=verification.SAFETENSORS_METADATA)
+            if tokenizer_object is not None:
+                save_fast_tokenizer(tokenizer_object, str(staging))
 
-        progress("verifying: reading every tensor back")
-        verification.verify_tensors(weights_path, tensors, config)
-        del tensors
-        checks: dict = {"tensors_bit_exact": True, "max_abs_logit_diff": None}
-        if backend is not None:
-            progress(f"verifying: logits of the written folder ({backend} model) against the source")
-            logits, mtp_logits = verification.model_logits(
-                staging, source_logits.tokens, with_mtp=config.use_mtp_head, backend=backend
-            )
-            checks.update(source_logits.compare(logits, mtp_logits, backend=backend, source_name=source.path.name))
+            progress("verifying: reading every tensor back")
+            verification.verify_tensors(weights_path, tensors, config)
+            del tensors
+            checks: dict = {"tensors_bit_exact": True, "max_abs_logit_diff": None}
+            if backend is not None:
+                progress(f"verifying: logits of the written folder ({backend} model) against the source")
+                logits, mtp_logits = verification.model_logits(
+                    staging, source_logits.tokens, with_mtp=config.use_mtp_head, backend=backend
+                )
+                checks.update(source_logits.compare(logits, mtp_logits, backend=backend, source_name=source.path.name))
 
-        weights_bytes = weights_path.stat().st_size
-        report = {
-            "converter": {"name": "needle-hf", "version": needle_hf.__version__},
-            "created_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "source": source_facts,
-            "output": {
-                "dtype": dtype,
-                "tensors": tensor_count,
-                "parameters": parameters,
-                "safetensors_bytes": weights_bytes,
-                "generation_eos_token_id": GENERATION_EOS_ID,
-            },
-            "tokenizer": tokenizer_facts,
-            "verification": checks,
-        }
-        (staging / REPORT_NAME).write_text(json.dumps(_jsonable(report), indent=2, allow_nan=False) + "\n", encoding="utf-8")
-        publish_folder(staging, out_dir)
+            weights_bytes = weights_path.stat().st_size
+            report = {
+                "converter": {"name": "needle-hf", "version": needle_hf.__version__},
+                "created_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                "source": source_facts,
+                "output": {
+                    "dtype": dtype,
+                    "tensors": tensor_count,
+                    "parameters": parameters,
+                    "safetensors_bytes": weights_bytes,
+                    "generation_eos_token_id": GENERATION_EOS_ID,
+                },
+                "tokenizer": tokenizer_facts,
+                "verification": checks,
+            }
+            (staging / REPORT_NAME).write_text(json.dumps(_jsonable(report), indent=2, allow_nan=False) + "\n", encoding="utf-8")
+            check_output_outside_inputs(out_dir, inputs, command="convert")
+            publish_folder(staging, out_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

@@ -34,7 +34,7 @@ import needle_hf
 from needle_hf.models.needle.configuration_needle import NeedleConfig
 from needle_hf.models.needle.weight_names import check_hf_weights, hf_to_native
 
-from .atomic_output import check_output_file, publish_file, staging_path
+from .atomic_output import check_output_file, check_output_outside_inputs, errors_name, publish_file, staging_path
 from .native_checkpoint import load_native_checkpoint, write_native_checkpoint
 
 SAFETENSORS_NAME = "model.safetensors"
@@ -118,6 +118,7 @@ FLOAT_SAFETENSORS_DTYPES = ("F32", "F16", "BF16")
 @contextlib.contextmanager
 def open_safetensors(path: Path):
     """`safe_open(path)` for numpy, with a malformed file reported as an `ExportError` naming it."""
+    import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, which safe_open needs for BF16 tensors)
     from safetensors import SafetensorError, safe_open
 
     try:
@@ -224,8 +225,8 @@ def export_native(
     hf_dir, out_path = Path(hf_dir), Path(out_path).absolute()
     if not hf_dir.is_dir():
         raise ExportError(f"{hf_dir} is not a folder; expected a saved Hugging Face Needle folder")
-    check_output_file(out_path, {"Hugging Face folder": hf_dir}, command="export", kind=".pkl",
-                      overwrite=overwrite, error=ExportError)
+    inputs = {"Hugging Face folder": hf_dir}
+    check_output_file(out_path, inputs, command="export", kind=".pkl", overwrite=overwrite, error=ExportError)
     cast_to = None if dtype is None else numpy_dtype(dtype)
 
     progress(f"reading {hf_dir}")
@@ -243,11 +244,13 @@ def export_native(
     staging = staging_path(out_path)
     progress(f"writing {out_path}")
     try:
-        write_native_checkpoint(staging, params, config.to_needle_config(), step=None, run=run)
-        if verify:
-            progress("verifying: reading the checkpoint back")
-            _check_read_back(staging, params)
-        publish_file(staging, out_path)
+        with errors_name(out_path, staging):
+            check_output_outside_inputs(out_path, inputs, command="export")
+            write_native_checkpoint(staging, params, config.to_needle_config(), step=None, run=run)
+            if verify:
+                progress("verifying: reading the checkpoint back")
+                _check_read_back(staging, params)
+            publish_file(staging, out_path)
     except BaseException:
         staging.unlink(missing_ok=True)
         raise

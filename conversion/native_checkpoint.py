@@ -41,11 +41,12 @@ import math
 import os
 import pickle
 import struct
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+
+from .atomic_output import errors_name, staging_path
 
 NATIVE_FORMAT_VERSION = 2
 # Written with protocol 4: what the reference's `pickle.dump` produces on Python 3.8-3.13, and
@@ -606,15 +607,16 @@ def write_native_checkpoint(path, params: dict, config_dict: dict, *, step: int 
     }
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    # A unique name beside the target (same filesystem, so the final rename is atomic); opened
-    # exclusively, with the usual permissions.
-    tmp_path = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    # A staging name beside the target (same filesystem, so the final rename is atomic); opened
+    # exclusively, with the usual permissions. A failure names `path`, not the staging file.
+    tmp_path = staging_path(path)
     try:
-        with open(tmp_path, "xb") as f:
-            pickle.dump(payload, f, protocol=WRITE_PROTOCOL)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp_path, path)
+        with errors_name(path, tmp_path):
+            with open(tmp_path, "xb") as f:
+                pickle.dump(payload, f, protocol=WRITE_PROTOCOL)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp_path, path)
     except BaseException:
         tmp_path.unlink(missing_ok=True)
         raise

@@ -50,7 +50,7 @@ def _layout(tensors: dict[str, np.ndarray], metadata: dict[str, str]) -> tuple[b
         header[name] = {"dtype": SAFETENSORS_DTYPES[tensor.dtype.name], "shape": list(tensor.shape),
                         "data_offsets": [offset, offset + size]}
         offset += size
-    text = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    text = json.dumps(header, separators=(",", ":"), allow_nan=False).encode("utf-8")
     text += b" " * (-len(text) % HEADER_ALIGNMENT)
     return struct.pack("<Q", len(text)) + text, names
 

@@ -24,11 +24,16 @@ import sys
 import time
 from typing import Callable, Sequence
 
-from needle_hf.conversion.atomic_output import check_output_outside_inputs
 from needle_hf.conversion.convert import convert
 from needle_hf.conversion.export import OUTPUT_DTYPES, export_native
 from needle_hf.conversion.verification import VERIFY_BACKENDS
 from needle_hf import hub
+
+
+def printable(text: str) -> str:
+    """`text` with any character the output encoding cannot hold escaped: a path from the command line
+    may carry undecodable bytes (as lone surrogates), which a strict stream would refuse to print."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _progress(command: str) -> Callable[[str], None]:
@@ -36,7 +41,7 @@ def _progress(command: str) -> Callable[[str], None]:
     started = time.perf_counter()
 
     def report(line: str):
-        print(f"needle-hf {command} [{time.perf_counter() - started:6.1f} s] {line}", file=sys.stderr, flush=True)
+        print(printable(f"needle-hf {command} [{time.perf_counter() - started:6.1f} s] {line}"), file=sys.stderr, flush=True)
 
     return report
 
@@ -67,7 +72,7 @@ def _run_convert(args: argparse.Namespace) -> int:
         verify_with=args.verify_with,
         progress=_progress("convert"),
     )
-    print(result.summary(), flush=True)
+    print(printable(result.summary()), flush=True)
     hub.push_converted_folder(args, result.out_dir)
     return 0
 
@@ -90,7 +95,7 @@ def _run_export(args: argparse.Namespace) -> int:
         verify=args.verify,
         progress=_progress("export"),
     )
-    print(result.summary(), flush=True)
+    print(printable(result.summary()), flush=True)
     return 0
 
 
@@ -116,7 +121,7 @@ def _run_build(args: argparse.Namespace) -> int:
     result = build_cact(args.hf_dir, args.out_path, bits=args.bits, bits_map=args.bits_map, lora=args.lora,
                         tokenizer=args.tokenizer, embed_tokenizer=args.embed_tokenizer, overwrite=args.overwrite,
                         progress=_progress("build"))
-    print(result.summary(), flush=True)
+    print(printable(result.summary()), flush=True)
     return 0
 
 
@@ -143,45 +148,20 @@ def _run_lora(args: argparse.Namespace) -> int:
 
 
 def _run_lora_import(args: argparse.Namespace) -> int:
-    from pathlib import Path
+    from needle_hf.conversion.lora import import_native_adapter
 
-    from needle_hf.conversion.export import read_hf_config
-    from needle_hf.conversion.lora import read_native_adapter, write_peft_adapter
-
-    check_output_outside_inputs(Path(args.out_dir), {"adapter": Path(args.adapter), "base folder": Path(args.base)},
-                                command="lora import")
-    config = read_hf_config(Path(args.base))
-    adapter = read_native_adapter(args.adapter, config)
-    out_dir = write_peft_adapter(args.out_dir, adapter, config, base_model=str(Path(args.base).absolute()),
-                                 overwrite=args.overwrite)
-    print(f"wrote {out_dir}: rank-{adapter.rank} LoRA on {', '.join(adapter.pairs)}, scale {adapter.scale:g}", flush=True)
+    out_dir, adapter = import_native_adapter(args.adapter, args.out_dir, base=args.base, overwrite=args.overwrite)
+    print(printable(f"wrote {out_dir}: rank-{adapter.rank} LoRA on {', '.join(adapter.pairs)}, scale {adapter.scale:g}"),
+          flush=True)
     return 0
 
 
 def _run_lora_export(args: argparse.Namespace) -> int:
-    import json
-    from pathlib import Path
+    from needle_hf.conversion.lora import export_peft_adapter
 
-    from needle_hf.conversion.export import read_hf_config
-    from needle_hf.conversion.lora import ADAPTER_CONFIG_NAME, AdapterError, read_peft_adapter, write_native_adapter
-
-    out_path = Path(args.out_path)
-    check_output_outside_inputs(out_path, {"adapter folder": Path(args.peft_dir)}, command="lora export")
-    if out_path.exists() and (out_path.is_dir() or not args.overwrite):
-        raise AdapterError(f"{out_path} exists; pass --overwrite to replace it")
-    base = args.base
-    if base is None:
-        settings = Path(args.peft_dir) / ADAPTER_CONFIG_NAME
-        recorded = json.loads(settings.read_text(encoding="utf-8")).get("base_model_name_or_path") if settings.is_file() else None
-        if not recorded or not (Path(recorded) / "config.json").is_file():
-            raise AdapterError(f"{args.peft_dir}: base_model_name_or_path {recorded!r} is not a local HF folder; "
-                               "pass --base HF_DIR")
-        base = recorded
-    config = read_hf_config(Path(base))
-    adapter = read_peft_adapter(args.peft_dir, config)
-    adapter.metadata["base"] = str(Path(base).absolute())
-    write_native_adapter(out_path, adapter)
-    print(f"wrote {out_path}: rank-{adapter.rank} LoRA on {', '.join(adapter.pairs)}, scale {adapter.scale:g}", flush=True)
+    out_path, adapter = export_peft_adapter(args.peft_dir, args.out_path, base=args.base, overwrite=args.overwrite)
+    print(printable(f"wrote {out_path}: rank-{adapter.rank} LoRA on {', '.join(adapter.pairs)}, scale {adapter.scale:g}"),
+          flush=True)
     return 0
 
 
@@ -222,13 +202,21 @@ def error_line(command: str, error: BaseException) -> str:
         text = f"{type(error).__name__}: the input is nested too deeply or too large ({text})"
     if len(text) > MAX_ERROR_CHARS:
         text = text[:MAX_ERROR_CHARS] + "..."
-    return f"needle-hf {command}: error: {text}"
+    return printable(f"needle-hf {command}: error: {text}")
+
+
+def _check_no_nul(args: argparse.Namespace):
+    """A NUL byte cannot be in a path; name the argument instead of the system's bare "embedded null byte"."""
+    for name, value in vars(args).items():
+        if isinstance(value, str) and "\0" in value:
+            raise ValueError(f"argument {name.upper()} {value!r} holds a NUL byte, which no path can hold")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one subcommand; returns the exit status (argparse exits with 2 on a usage error)."""
     args = build_parser().parse_args(argv)
     try:
+        _check_no_nul(args)
         return args.run(args)
     except INPUT_ERRORS as error:
         print(error_line(args.command, error), file=sys.stderr, flush=True)

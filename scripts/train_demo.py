@@ -326,7 +326,7 @@ def main(argv=None) -> int:
         shutil.move(work / "needle2-demo.pkl", args.out)
     results["megabytes"] = round(os.path.getsize(args.out) / 1e6, 2)
     results["seconds"] = round(time.perf_counter() - started)
-    (args.out.parent / "train_demo_results.json").write_text(json.dumps(results, indent=1) + "\n")
+    (args.out.parent / "train_demo_results.json").write_text(json.dumps(results, indent=1, allow_nan=False) + "\n")
     print(f"      {results['megabytes']:.1f} MB; total {results['seconds']} s")
     return 0
 

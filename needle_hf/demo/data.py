@@ -162,5 +162,5 @@ def write_demo_jsonl(path, count: int, *, seed: int) -> Path:
     path = Path(path)
     with path.open("w", encoding="utf-8") as handle:
         for example in make_demo_examples(count, seed=seed):
-            handle.write(json.dumps(example, ensure_ascii=False) + "\n")
+            handle.write(json.dumps(example, ensure_ascii=False, allow_nan=False) + "\n")
     return path

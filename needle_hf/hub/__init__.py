@@ -28,6 +28,7 @@ from huggingface_hub import HfApi
 
 from .. import __version__
 from ..models.needle.configuration_needle import NeedleConfig
+from ..conversion.cact_writer import write_atomically
 from ..conversion.export import read_hf_config, safetensors_layout, weight_files
 from ..models.needle.weight_names import check_hf_weights
 from .model_card import folder_model_card
@@ -156,7 +157,8 @@ def push_folder(
             api.create_branch(repo_id, branch=revision, exist_ok=True)
         if not readme.exists():
             card = folder_model_card(folder, repo_id=repo_id, base_model=base_model)
-            readme.write_text(str(card), encoding="utf-8")
+            # Staged beside it and renamed: the folder never holds a half-written card.
+            write_atomically(readme, str(card).encode("utf-8"), inputs={}, command="push")
             wrote_readme = True
         # One commit: every file or none of them lands on the Hub.
         commit = api.upload_folder(

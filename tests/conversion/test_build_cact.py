@@ -17,14 +17,14 @@ from spm_fixture import FIXTURE_VOCAB_SIZE
 
 # Deployment metadata the header must carry: a window below the KV budget's, 4-bit KV, and the
 # weight_bits map the build falls back to when no width is given.
-CONFIG = dict(TINY_NATIVE_CONFIG, vocab_size=FIXTURE_VOCAB_SIZE, kv_window=64, kv_bits=4, weight_bits="attn.o=2,default=3")
+CONFIG = dict(TINY_NATIVE_CONFIG, vocab_size=FIXTURE_VOCAB_SIZE, kv_window=64, kv_bits=4, weight_bits="attn.out_proj=2,default=3")
 PLAIN_CONFIG = dict(TINY_NATIVE_CONFIG, vocab_size=FIXTURE_VOCAB_SIZE)
 MIXED = "attn.q_proj=3,attn.v_proj=1.58,engram=2,mhc_phi_res=2,default=4"
 HEADS = ("contrastive_head", "confidence_head")
 
 # variant -> (build arguments, write_export arguments)
 WITH_HEADS = {
-    "config_weight_bits": ([], dict(bits_map="attn.o=2,default=3")),
+    "config_weight_bits": ([], dict(bits_map="attn.out_proj=2,default=3")),
     "w4": (["--bits", "4"], dict(bits=4)),
     "w3": (["--bits", "3"], dict(bits=3)),
     "w2": (["--bits", "2"], dict(bits=2)),
@@ -134,8 +134,8 @@ def test_codebooks_equal_the_reference_fit():
 def test_bits_map_names_follow_the_reference():
     from needle.model.quantize import _bits_for, parse_bits_map
 
-    spec = "stack/layers/block/self_attn/q_proj/kernel=2,engrams_1/embedding=3,attn.k=1.58,embedding=3,default=4"
-    ours, theirs = numerics.parse_bits_map(spec), parse_bits_map(spec)
+    spec = "stack/layers/block/self_attn/q_proj/kernel=2,engrams_1/embedding=3,attn.k_proj=1.58,embedding=3,default=4"
+    ours, theirs = numerics.parse_bits_map(spec, engram_sites=2), parse_bits_map(spec)
     assert ours == theirs
     names = ["embedding", "layer00.q_proj", "layer02.k_proj", "layer01.out_proj", "mhc_phi_pre",
              "engram0.tables", "engram1.tables", "engram1.key_proj"]

@@ -4,6 +4,7 @@ This file is also written next to saved weights as remote code for users who loa
 ``trust_remote_code=True``; its only package import (remote_code.py, when saving) travels with it.
 """
 
+import json
 import math
 
 from transformers import PretrainedConfig
@@ -66,6 +67,13 @@ NATIVE_DEFAULTS = {
 # Upper bounds on every size field: far above any Needle model, low enough that nothing sized by a
 # field (a weight table, a shape check, an allocation) can exhaust memory before the weights are read.
 MAX_FIELD_VALUE = 1 << 24
+# Widths the deployment numerics compute exactly. Activations: per-row absmax levels
+# +-(2**(act_bits - 1) - 1) in float32, whose integers are exact only up to 2**24 (and one bit
+# leaves no magnitude level), hence act_bits in [2, 25]. KV cache: CQ codebooks exist for 2, 3 and 4
+# bits; 8 and up keep the engine's int8 cache unquantised.
+ACT_BITS_RANGE = (2, 25)
+KV_CQ_BITS = (2, 3, 4)
+KV_BITS_UNQUANTISED = 8
 MAX_LIST_FIELD_LENGTH = 64
 
 
@@ -101,6 +109,16 @@ def _real(name, value) -> float:
     if not (math.isfinite(value) and value > 0):
         raise ValueError(f"Invalid NeedleConfig: {name} must be a finite positive number, got {value}")
     return value
+
+
+def _holds_non_finite(value) -> bool:
+    if isinstance(value, float):
+        return not math.isfinite(value)
+    if isinstance(value, dict):
+        return any(_holds_non_finite(item) for item in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_holds_non_finite(item) for item in value)
+    return False
 
 
 def _flag(name, value) -> bool:
@@ -149,14 +167,14 @@ class NeedleConfig(PretrainedConfig):
             apply: 0 attends to the whole context (default, as the reference's forward); ``n > 0``
             lets each token see only the last ``n`` positions, as the engine decodes with its KV
             window (`needle_hf.generation.kv_window.engine_kv_window` gives the window the engine derives).
-        kv_bits (`int`, *optional*, defaults to 8): KV-cache width of deployment exports; below 8 the
-            engine CQ-quantises the cache (and so does `deploy_numerics`).
+        kv_bits (`int`, *optional*, defaults to 8): KV-cache width of deployment exports: 2, 3 or 4
+            and the engine CQ-quantises the cache (and so does `deploy_numerics`); 8 and up keep it int8.
         act_bits (`int`, *optional*, defaults to 8): Activation width of deployment exports (and of
-            `deploy_numerics`).
+            `deploy_numerics`), 2 to 25 (see `ACT_BITS_RANGE`).
         weight_bits (`str`, *optional*, defaults to `""`): Mixed-precision CQ weight map,
-            ``"prefix=bits,...,default=bits"`` (widths 2, 3, 4 or 1.58 = ternary; prefixes such as
-            ``attn.q_proj``, ``engram``, ``embedding``, ``mhc_phi``, ``mtp``; see
-            `needle_hf.models.needle.numerics.parse_bits_map`): the widths `needle-hf build` uses when given no
+            ``"name=bits,...,default=bits"`` (widths 2, 3, 4 or 1.58 = ternary; whole tensor names
+            such as ``attn.q_proj``, ``engram0.tables``, ``embedding``, or groups ``attn``, ``engram``,
+            ``mhc_phi``, ``mtp``; an unknown name is an error; see `needle_hf.models.needle.numerics.parse_bits_map`): the widths `needle-hf build` uses when given no
             ``--bits``/``--bits-map``, and those of the QAT weights under `deploy_numerics`.
         deploy_numerics (`bool`, *optional*, defaults to `False`): Compute what the Needle engine computes
             from the `.cact` (the reference's `quant=True` forward): int8 (`act_bits`) per-row absmax
@@ -232,7 +250,10 @@ class NeedleConfig(PretrainedConfig):
         self.kv_window = _integer("kv_window", kv_window, minimum=0)
         self.attention_window = _integer("attention_window", attention_window, minimum=0)
         self.kv_bits = _integer("kv_bits", kv_bits, minimum=1)
-        self.act_bits = _integer("act_bits", act_bits, minimum=1)
+        if self.kv_bits not in KV_CQ_BITS and self.kv_bits < KV_BITS_UNQUANTISED:
+            raise ValueError(f"Invalid NeedleConfig: kv_bits must be 2, 3 or 4 (a CQ-quantised KV cache) or "
+                             f"{KV_BITS_UNQUANTISED} and up (int8, unquantised), got {self.kv_bits}")
+        self.act_bits = _integer("act_bits", act_bits, minimum=ACT_BITS_RANGE[0], maximum=ACT_BITS_RANGE[1])
         if weight_bits is not None and not isinstance(weight_bits, str):
             raise ValueError(f"Invalid NeedleConfig: weight_bits must be a string, got {_shown(weight_bits)}")
         self.weight_bits = weight_bits or ""
@@ -323,14 +344,6 @@ class NeedleConfig(PretrainedConfig):
                 lambda: self.attention_dim % self.num_attention_heads == 0,
                 lambda: f"num_attention_heads ({self.num_attention_heads}) must divide attention_dim ({self.attention_dim})",
             ),
-            (
-                lambda: not self.deploy_numerics or self.act_bits >= 2,
-                lambda: f"deploy_numerics needs act_bits >= 2 (a sign and one magnitude bit), got {self.act_bits}",
-            ),
-            (
-                lambda: not self.deploy_numerics or self.kv_bits >= 1,
-                lambda: f"deploy_numerics needs kv_bits >= 1 (8 or more keeps the cache unquantised), got {self.kv_bits}",
-            ),
             (lambda: self.head_dim % 2 == 0, lambda: f"head_dim ({self.head_dim}) must be even for the half-split RoPE"),
             (lambda: self.max_position_embeddings > 0, lambda: "max_position_embeddings must be positive"),
             (lambda: self.hyper_connection_lanes > 0, lambda: "hyper_connection_lanes must be positive"),
@@ -354,6 +367,36 @@ class NeedleConfig(PretrainedConfig):
         for ok, message in checks:
             if not ok():
                 raise ValueError(f"Invalid NeedleConfig: {message()}")
+        if self.weight_bits:
+            from .numerics import BitsMapError, parse_bits_map
+
+            try:
+                parse_bits_map(self.weight_bits, engram_sites=len(self.engram_layers))
+            except BitsMapError as error:
+                raise ValueError(f"Invalid NeedleConfig: weight_bits: {error}") from None
+
+    @classmethod
+    def from_dict(cls, config_dict, **kwargs):
+        """`PretrainedConfig.from_dict`, the path of every load of a config.json: an invalid field is
+        reported as a `ValueError` naming config.json and the field."""
+        try:
+            return super().from_dict(config_dict, **kwargs)
+        except ValueError as error:
+            if not str(error).startswith("Invalid NeedleConfig"):
+                raise
+            raise ValueError(f"config.json: {error}") from None
+
+    def to_json_string(self, use_diff: bool = True) -> str:
+        """`PretrainedConfig.to_json_string`, refusing a non-finite number in any field: JSON has none,
+        and a `NaN` written into config.json would make the file unreadable to strict parsers."""
+        text = super().to_json_string(use_diff=use_diff)
+        found = []
+        json.loads(text, parse_constant=found.append)
+        if found:
+            fields = [name for name, value in self.to_dict().items() if _holds_non_finite(value)]
+            raise ValueError(f"Invalid NeedleConfig: field {', '.join(fields) or '?'} holds {found[0]}; config.json "
+                             "holds finite numbers only")
+        return text
 
     def save_pretrained(self, save_directory, push_to_hub=False, **kwargs):
         """`PretrainedConfig.save_pretrained`, plus the model code and `auto_map` beside config.json, so
@@ -363,6 +406,7 @@ class NeedleConfig(PretrainedConfig):
         timestamps, so the code files are uploaded too."""
         from .remote_code import write_remote_code
 
+        self.to_json_string()  # refuses an unwritable field before any file is written
         write_remote_code(save_directory, self)
         return super().save_pretrained(save_directory, push_to_hub=push_to_hub, **kwargs)
 

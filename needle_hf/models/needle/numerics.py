@@ -215,9 +215,9 @@ def kv_cache_bits(config) -> int | None:
 
 # --------------------------------------------------------------------------------------------------
 # Bits maps: mixed-precision CQ widths, "prefix=bits,...,default=bits" (`NeedleConfig.weight_bits`,
-# `needle-hf build --bits-map`). Entries name tensors by a canonical prefix ("attn.q_proj",
-# "engram0.tables", "embedding", "mhc_phi_pre", "mtp.q_proj"); a tensor takes the width of its
-# longest matching prefix, else the default. `.cact` record names ("layer03.q_proj") and native
+# `needle-hf build --bits-map`). Entries name tensors by canonical name ("attn.q_proj",
+# "engram0.tables", "embedding", "mhc_phi_pre", "mtp.q_proj") or group ("attn", "engram", "mhc_phi",
+# `BITS_MAP_GROUPS`); a tensor takes the width of its longest matching name, else the default. `.cact` record names ("layer03.q_proj") and native
 # parameter paths ("stack/layers/block/self_attn/q_proj/kernel") canonicalise to the same names, so
 # one map means the same widths to the exporter and to QAT (`weight_names.cq_weight_bits`).
 
@@ -260,27 +260,80 @@ def _width(text: str, entry: str):
     return int(value)
 
 
-def parse_bits_map(spec: str) -> tuple[dict, object]:
-    """Parse "prefix=bits,...,default=bits" into ({canonical prefix: bits}, default bits).
+# What a bits map may name: whole canonical tensor names of the CQ-stored weights, and the groups
+# below. A group takes the tensors whose canonical name starts with it, as prefixes always have
+# (`bits_for`); any other name is refused, so a typo never silently leaves a tensor at the default.
+_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "gate_proj", "out_proj")
+BITS_MAP_TENSORS = (
+    "embedding",
+    *(f"attn.{name}" for name in _PROJECTIONS),
+    "mhc_phi_pre", "mhc_phi_post", "mhc_phi_res",
+    *(f"mtp.{name}" for name in _PROJECTIONS),
+    "mtp_combine",
+    "contrastive_head.proj", "confidence_head.proj",
+)
+ENGRAM_BITS_MAP_TENSORS = ("tables", "key_proj", "value_proj")  # engram<i>.<name>, one per site
+BITS_MAP_GROUPS = {
+    "attn": "every layer's five attention projections",
+    "mhc_phi": "the three hyper-connection projections",
+    "mtp": "the MTP block's projections and its combiner",
+    "engram": "every engram site's tables and projections",
+    "engram<i>": "engram site i's tables and projections",
+    "contrastive_head": "the contrastive head's projection",
+    "confidence_head": "the confidence head's projection",
+}
 
-    Prefixes may be canonical names ("attn.q_proj", "engram", "embedding", "mhc_phi") or native
-    paths, which are canonicalised; a later entry for the same prefix replaces an earlier one.
-    Widths: 2, 3, 4, or 1.58 for ternary. A `default` entry is required.
+
+def bits_map_names(engram_sites: int) -> tuple[str, ...]:
+    """Every name a bits map of a model with `engram_sites` engram sites may use: groups, then tensors."""
+    groups = [group for group in BITS_MAP_GROUPS if group != "engram<i>"]
+    groups += [f"engram{site}" for site in range(engram_sites)]
+    tensors = list(BITS_MAP_TENSORS)
+    tensors += [f"engram{site}.{name}" for site in range(engram_sites) for name in ENGRAM_BITS_MAP_TENSORS]
+    return (*groups, *tensors)
+
+
+def parse_bits_map(spec: str, *, engram_sites: int) -> tuple[dict, object]:
+    """Parse "name=bits,...,default=bits" into ({canonical name: bits}, default bits).
+
+    Names are whole tensor names or groups (`bits_map_names` for a model with `engram_sites` engram
+    sites), given canonically ("attn.q_proj", "engram", "engram0.tables", "embedding", "mhc_phi")
+    or as native paths / `.cact` record names, which are canonicalised. Widths: 2, 3, 4, or 1.58 for
+    ternary. A `default` entry is required; an empty map, an empty or unknown name and a name given
+    twice are refused (`BitsMapError`, listing the valid names).
     """
+    if not isinstance(spec, str):
+        raise BitsMapError(f"bits map {spec!r}: expected a string \"name=bits,...,default=bits\"")
+    names = bits_map_names(engram_sites)
+    valid = {canonical_tensor_name(name) for name in names}  # the group "engram0" reads as "engram0."
+    listed = f"valid names: {', '.join(names)} (or native paths of those tensors), and default"
+    entries = [entry.strip() for entry in spec.split(",")]
+    if not any(entries):
+        raise BitsMapError(f"bits map {spec!r} is empty; expected \"name=bits,...,default=bits\" ({listed})")
     prefixes, default = {}, None
-    for entry in str(spec or "").split(","):
-        if not entry.strip():
-            continue
+    for entry in entries:
+        if not entry:
+            raise BitsMapError(f"bits map {spec!r}: an empty entry (two commas in a row, or a comma at an end)")
         if "=" not in entry:
-            raise BitsMapError(f"bits map {spec!r}: entry {entry.strip()!r} is not of the form name=bits")
+            raise BitsMapError(f"bits map {spec!r}: entry {entry!r} is not of the form name=bits")
         name, text = (part.strip() for part in entry.split("=", 1))
-        width = _width(text, entry.strip())
+        if not name:
+            raise BitsMapError(f"bits map {spec!r}: entry {entry!r} has an empty name; {listed}")
+        width = _width(text, entry)
         if width not in CQ_WEIGHT_BITS:
             raise BitsMapError(f"bits map {spec!r}: width {width} for {name!r}, expected one of 2, 3, 4 or {TERNARY_BITS}")
         if name == "default":
+            if default is not None:
+                raise BitsMapError(f"bits map {spec!r}: default is given twice; {listed}")
             default = width
-        else:
-            prefixes[canonical_tensor_name(name)] = width
+            continue
+        canonical = canonical_tensor_name(name)
+        if canonical not in valid:
+            raise BitsMapError(f"bits map {spec!r}: unknown name {name!r}"
+                               + (f" (read as {canonical!r})" if canonical != name else "") + f"; {listed}")
+        if canonical in prefixes:
+            raise BitsMapError(f"bits map {spec!r}: {name!r} is given twice; {listed}")
+        prefixes[canonical] = width
     if default is None:
         raise BitsMapError(f"bits map {spec!r} has no default=<bits> entry (every other tensor needs a width)")
     return prefixes, default
@@ -293,6 +346,6 @@ def bits_for(tensor_name: str, prefixes: dict, default):
     return prefixes[max(matches, key=len)] if matches else default
 
 
-def weight_bits_map(weight_bits: str) -> tuple[dict, object]:
+def weight_bits_map(weight_bits: str, *, engram_sites: int) -> tuple[dict, object]:
     """(prefixes, default) of a config's `weight_bits`: its map, or every weight at `DEFAULT_WEIGHT_BITS`."""
-    return parse_bits_map(weight_bits) if weight_bits else ({}, DEFAULT_WEIGHT_BITS)
+    return parse_bits_map(weight_bits, engram_sites=engram_sites) if weight_bits else ({}, DEFAULT_WEIGHT_BITS)

@@ -430,7 +430,7 @@ def save_fast_tokenizer(tokenizer, save_directory):
     if config.get("tokenizer_class") != _TOKENIZER_CLASS:
         config["tokenizer_class"] = _TOKENIZER_CLASS
         with open(config_path, "w", encoding="utf-8") as handle:
-            json.dump(config, handle, indent=2, ensure_ascii=False)
+            json.dump(config, handle, indent=2, ensure_ascii=False, allow_nan=False)
             handle.write("\n")
     return written
 

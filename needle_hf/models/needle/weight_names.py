@@ -179,7 +179,7 @@ def cq_weight_bits(config) -> dict[str, int | float]:
     each weight's native path as the reference's QAT matches them, so a layer's weights share their
     stacked leaf's width; `.cact` records ("layer03.q_proj") canonicalise to the same names.
     """
-    prefixes, default = weight_bits_map(config.weight_bits)
+    prefixes, default = weight_bits_map(config.weight_bits, engram_sites=len(config.engram_layers))
     return {
         spec.hf_name: bits_for("/".join(spec.native_path), prefixes, default)
         for spec in weight_specs(config)
