@@ -55,7 +55,8 @@ def _checked_call(index, call):
     return {"name": name, "arguments": arguments}
 
 
-# Bounds on the JSON of a turn: deeper than any tool call nests, longer numbers than any argument needs.
+# Bounds on the JSON of a turn: deeper than any tool call nests, longer integers than any argument needs
+# (int() of a long digit string takes quadratic time).
 MAX_JSON_DEPTH = 64
 MAX_NUMBER_DIGITS = 400
 
@@ -65,8 +66,8 @@ def _refuse_constant(name):
 
 
 def _finite_float(text):
-    if len(text) > MAX_NUMBER_DIGITS:
-        raise ToolCallParseError(f"tool calls hold a number of {len(text)} characters (at most {MAX_NUMBER_DIGITS})")
+    # Any length: float() reads long digit strings in linear time, and the grammar
+    # (`needle_hf.grammar`) bounds a number's magnitude, not its fraction digits.
     value = float(text)
     if value in (float("inf"), float("-inf")):
         raise ToolCallParseError(f"tool calls hold the number {_excerpt(text)}, which overflows a float")
@@ -403,8 +404,8 @@ def parse_assistant_turn(text):
 
     The calls' JSON is read as JSON, so argument strings may hold any text, markers included; the
     block ends at the `</tool_call>` after the JSON value, and the turn at the `<|im_end|>` after it
-    (or at the end of the text). Numbers must be finite (no NaN, Infinity or 1e999) and at most 400
-    characters long, nesting at most 64 levels deep. This is `ToolCallStream` fed the whole text.
+    (or at the end of the text). Numbers must be finite (no NaN, Infinity or 1e999), integers at most
+    400 digits long, nesting at most 64 levels deep. This is `ToolCallStream` fed the whole text.
 
     Args:
         text: decoded generation, starting where the prompt (`...<|im_start|>assistant\\n`) ended.
