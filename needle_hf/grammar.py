@@ -13,6 +13,11 @@ text ``<tool_call>`` spelled out of byte pieces can never stand in for the marke
 only once ``<|im_end|>`` is written. `ToolCallLogitsProcessor` applies the grammar to every row of
 a `generate()` batch.
 
+What the grammar admits, `needle_hf.tool_calls.parse_assistant_turn` accepts: `tool_schema` states
+what a tool's ``parameters`` may be, and `_Bounder` turns them into a schema whose answers all parse
+(references resolved, depth and numbers bounded). A keyword the grammar cannot enforce is refused
+with a `ToolGrammarError` naming the tool and the keyword, never loosened.
+
 The grammar engine is llguidance. `benchmarks/grammar.py` measures it against xgrammar: on an
 8192-piece vocabulary both compile a request's grammar in 1.5-3 ms and compute a mask in single
 microseconds (median; worst 77 us vs 171 us), all far below a decoding step. llguidance wins on
