@@ -8,6 +8,7 @@ vocabulary, markers by id), biased towards tokens that close strings and contain
 
 from __future__ import annotations
 
+import copy
 import enum
 import json
 import random
@@ -276,7 +277,7 @@ _UNSUPPORTED = ["not", "if", "uniqueItems", "contains", "propertyNames", "depend
 @settings(max_examples=40, deadline=None)
 @given(case=tools_with_arguments(), keyword=st.sampled_from(_UNSUPPORTED), data=st.data())
 def test_an_unsupported_keyword_anywhere_is_refused_by_name(grammar, case, keyword, data):
-    tool, _ = case
+    tool = copy.deepcopy(case[0])  # the strategies hand out shared schema objects
     nodes = []
 
     def collect(node):
