@@ -58,6 +58,8 @@ def test_well_formed_turns_give_their_calls_whatever_their_arguments_hold(data, 
     ("<tool_call>[]</tool_call><tool_call>[]</tool_call>", "<tool_call>[]</tool_call><tool_call>[]</tool_call>"),
     ("Done.<|im_end|>\n<|im_start|>user", "Done."),
     ("Done.<|im_end|", "Done.<|im_end|"),
+    ("<think>a<|im_end|>b</think><tool_call>[]</tool_call>", "<think>a"),  # the turn ended inside the think block
+    ('<tool_call>[{"name":"f"}]<|im_end|></tool_call>', '<tool_call>[{"name":"f"}]'),
 ])
 def test_outputs_that_are_not_tool_call_turns_stream_as_content(text, content):
     for size in (1, 2, 3, len(text)):
