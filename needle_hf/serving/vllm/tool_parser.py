@@ -1,14 +1,17 @@
 """vLLM tool-call parser ``needle`` (``--enable-auto-tool-choice --tool-call-parser needle``).
 
 Needle answers a tool-calling prompt with an optional ``<think>`` block and one JSON list of calls,
-``<tool_call>[{"name": ..., "arguments": {...}}, ...]</tool_call>``; `needle_hf.tools.tool_calls` reads
-that format, and this parser only maps its result onto vLLM's OpenAI protocol objects.
+``<tool_call>[{"name": ..., "arguments": {...}}, ...]</tool_call>``. `needle_hf.tools.tool_calls.ToolCallStream`
+is the one reader of that format; this parser only maps what it settles onto vLLM's OpenAI protocol
+objects, so the streaming and the non-streaming answers are the same for every output and every way
+vLLM cuts it into deltas.
 
-Streaming: text that cannot be the start of a Needle tool-call turn streams as content as it
-arrives. A tool-call turn is held back until its ``</tool_call>`` arrives, then every call is sent
-whole (name and the complete JSON arguments) in one delta: the list is parsed by the same function
-as in the non-streaming path, so both paths return the same calls. An empty list (``[]``, "no tool
-applies") yields no tool calls.
+Streaming: text that cannot be (or grow into) a tool-call turn streams as content as soon as that is
+known; a tool-call turn is held back, and its calls are sent whole (name and complete JSON arguments)
+in one delta once the turn is known to end after ``</tool_call>``: at ``<|im_end|>`` or when vLLM
+finishes the stream (``finish_streaming``, which vLLM calls for parsers that set
+``engine_based_streaming``; deltas then carry only the new text). An empty list (``[]``, "no tool
+applies") yields neither calls nor content. With ``tool_choice="none"`` the output is content as is.
 """
 
 from __future__ import annotations
@@ -27,40 +30,38 @@ from vllm.entrypoints.generate.base.protocol import (
 from vllm.renderers.chat_utils import make_tool_call_id
 from vllm.tool_parsers.abstract_tool_parser import ToolParser
 
-from ...models.needle.chat_template import IM_END, THINK_START, TOOL_CALL_END, TOOL_CALL_START
-from ...tools.tool_calls import ToolCallParseError, parse_assistant_turn
-
-# A Needle tool-call turn opens with one of these (after leading whitespace).
-TURN_OPENINGS = (THINK_START, TOOL_CALL_START)
+from ...tools.tool_calls import ToolCallStream, TurnDelta
 
 
 def _arguments_json(arguments: dict) -> str:
     return json.dumps(arguments, ensure_ascii=False)
 
 
-def _may_open_tool_turn(text: str) -> bool:
-    """Whether ``text`` (stripped of leading whitespace) is, or may grow into, a tool-call turn."""
-    head = text.lstrip()
-    return any(head.startswith(opening) or opening.startswith(head) for opening in TURN_OPENINGS)
+def _tools_off(request) -> bool:
+    return getattr(request, "tool_choice", None) == "none"
 
 
 class NeedleToolParser(ToolParser):
     """Turns Needle's ``<tool_call>[...]</tool_call>`` answers into OpenAI ``tool_calls``."""
 
+    # vLLM then calls `finish_streaming` at the end of every stream: a turn's end is only known there.
+    engine_based_streaming = True
+
     def __init__(self, tokenizer, tools=None):
         super().__init__(tokenizer, tools)
-        self._sent_content_chars = 0
-        self._calls_sent = False
+        self._stream = ToolCallStream()
 
     def extract_tool_calls(self, model_output: str, request) -> ExtractedToolCallInformation:
         """The calls of a complete answer; an answer that is not a tool-call turn is returned as content."""
-        try:
-            turn = parse_assistant_turn(model_output)
-        except ToolCallParseError:
+        if _tools_off(request):
             return ExtractedToolCallInformation(tools_called=False, tool_calls=[], content=model_output)
+        stream = ToolCallStream()
+        content = stream.feed(model_output).content + stream.finish().content
+        if stream.turn is None:
+            return ExtractedToolCallInformation(tools_called=False, tool_calls=[], content=content)
         tool_calls = [
             ToolCall(type="function", function=FunctionCall(name=call["name"], arguments=_arguments_json(call["arguments"])))
-            for call in turn.tool_calls
+            for call in stream.turn.tool_calls
         ]
         return ExtractedToolCallInformation(tools_called=bool(tool_calls), tool_calls=tool_calls, content=None)
 
@@ -74,38 +75,31 @@ class NeedleToolParser(ToolParser):
         delta_token_ids: Sequence[int],
         request,
     ) -> DeltaMessage | None:
-        if self._calls_sent:
-            return None
-        turn = current_text.split(IM_END, 1)[0]
-        if not _may_open_tool_turn(turn):
-            return self._content_delta(turn)
-        if TOOL_CALL_END not in turn:
-            return None  # a tool-call turn still being generated
-        # What follows the list (the end-of-turn marker, possibly still partial) belongs to no call.
-        closed = turn[: turn.index(TOOL_CALL_END) + len(TOOL_CALL_END)]
-        try:
-            calls = parse_assistant_turn(closed).tool_calls
-        except ToolCallParseError:
-            return self._content_delta(turn)
-        self._calls_sent = True
-        deltas = []
-        for index, call in enumerate(calls):
-            arguments = _arguments_json(call["arguments"])
-            self.prev_tool_call_arr.append({"name": call["name"], "arguments": call["arguments"]})
-            self.streamed_args_for_tool.append(arguments)
-            deltas.append(
-                DeltaToolCall(
-                    index=index,
-                    type="function",
-                    id=make_tool_call_id(),
-                    function=DeltaFunctionCall(name=call["name"], arguments=arguments).model_dump(exclude_none=True),
-                )
-            )
-        self.current_tool_id = len(calls) - 1
-        return DeltaMessage(tool_calls=deltas) if deltas else None
+        """Reads ``delta_text`` only: vLLM passes the accumulated text or not depending on its parsers."""
+        if _tools_off(request):
+            return DeltaMessage(content=delta_text) if delta_text else None
+        return self._message(self._stream.feed(delta_text))
 
-    def _content_delta(self, text: str) -> DeltaMessage | None:
-        """The part of ``text`` not streamed yet, as content."""
-        new = text[self._sent_content_chars :]
-        self._sent_content_chars = len(text)
-        return DeltaMessage(content=new) if new else None
+    def finish_streaming(self) -> DeltaMessage | None:
+        """The stream ended: what was held back (the calls of a turn that ended, or content)."""
+        return self._message(self._stream.finish())
+
+    def _message(self, delta: TurnDelta) -> DeltaMessage | None:
+        tool_calls = []
+        if delta.turn is not None:
+            for index, call in enumerate(delta.turn.tool_calls):
+                arguments = _arguments_json(call["arguments"])
+                self.prev_tool_call_arr.append({"name": call["name"], "arguments": call["arguments"]})
+                self.streamed_args_for_tool.append(arguments)
+                tool_calls.append(
+                    DeltaToolCall(
+                        index=index,
+                        type="function",
+                        id=make_tool_call_id(),
+                        function=DeltaFunctionCall(name=call["name"], arguments=arguments).model_dump(exclude_none=True),
+                    )
+                )
+            self.current_tool_id = len(tool_calls) - 1
+        if not delta.content and not tool_calls:
+            return None
+        return DeltaMessage(content=delta.content or None, tool_calls=tool_calls)

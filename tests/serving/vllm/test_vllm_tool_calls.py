@@ -10,13 +10,18 @@ import json
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from demo_support import MAX_NEW_TOKENS, TOOL_QUERIES  # noqa: E402
+from turn_strategies import cut, outputs  # noqa: E402
 
 import needle_hf  # noqa: E402,F401
 from needle_hf.tool_calls import parse_tool_calls  # noqa: E402
 from needle_hf.vllm.tool_parser import NeedleToolParser  # noqa: E402
+from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest  # noqa: E402
+from vllm.parser.abstract_parser import DelegatingParser  # noqa: E402
 from vllm_support import demo_folder, vllm_server  # noqa: E402
 
 pytestmark = pytest.mark.vllm  # runs in .venv-vllm only
@@ -26,12 +31,10 @@ TWO_CALLS = ('<think>\nalarm, then text\n</think>\n<tool_call>[{"name": "set_ala
 EXPECTED_TWO = [("set_alarm", {"time": "06:45"}), ("send_message", {"to": "Zoë", "text": "up at 6:45"})]
 
 
-def stream_through(parser, text, piece=3):
-    """Feed ``text`` to the streaming parser ``piece`` characters at a time; (content, [(name, args)])."""
+def collect(deltas):
+    """(content, [(name, arguments)]) of a stream of `DeltaMessage`s (None: nothing that step)."""
     content, calls = "", {}
-    for end in range(piece, len(text) + piece, piece):
-        previous, current = text[: end - piece], text[:end]
-        delta = parser.extract_tool_calls_streaming(previous, current, current[len(previous):], [], [], [], None)
+    for delta in deltas:
         if delta is None:
             continue
         content += delta.content or ""
@@ -40,6 +43,29 @@ def stream_through(parser, text, piece=3):
             entry["name"] = call.function.name or entry["name"]
             entry["arguments"] += call.function.arguments or ""
     return content, [(c["name"], json.loads(c["arguments"])) for _, c in sorted(calls.items())]
+
+
+def stream_deltas(parser, deltas, request=None):
+    """Feed ``deltas`` to the streaming parser as vLLM's legacy path does, then end the stream."""
+    previous, out = "", []
+    for delta in deltas:
+        out.append(parser.extract_tool_calls_streaming(previous, previous + delta, delta, [], [], [], request))
+        previous += delta
+    out.append(parser.finish_streaming())
+    return collect(out)
+
+
+def stream_through(parser, text, piece=3):
+    """Feed ``text`` to the streaming parser ``piece`` characters at a time; (content, [(name, args)])."""
+    return stream_deltas(parser, [text[start:start + piece] for start in range(0, len(text), piece)])
+
+
+def whole(text, request=None):
+    """(content, [(name, args)]) of the non-streaming path."""
+    result = NeedleToolParser(None).extract_tool_calls(text, request)
+    calls = [(c.function.name, json.loads(c.function.arguments)) for c in result.tool_calls]
+    assert result.tools_called == bool(calls)
+    return result.content or "", calls
 
 
 def test_parser_turns_a_needle_answer_into_tool_calls():
@@ -54,12 +80,48 @@ def test_streaming_parser_returns_the_same_calls():
     assert content == "" and calls == EXPECTED_TWO
 
 
-@pytest.mark.parametrize("text", ["The alarm is set.", "Sure: <b>done</b>", "<tool_call>[{\"name\": "])
+@pytest.mark.parametrize("text", ["The alarm is set.", "Sure: <b>done</b>", "<tool_call>[{\"name\": ",
+                                  "<think>\nno tool fits\n</think>\nSorry, I can't.", "<think>\ncut short",
+                                  '<tool_call>[{"name":"f","arguments":{}}]</tool_call> and more',
+                                  "<tool_call>[]</tool_call><tool_call>[]</tool_call>"])
 def test_text_that_is_not_a_complete_tool_call_turn_stays_content(text):
     result = NeedleToolParser(None).extract_tool_calls(text, None)
     assert not result.tools_called and result.content == text
-    content, calls = stream_through(NeedleToolParser(None), text)
-    assert calls == [] and content == ("" if text.startswith("<tool_call>") else text)
+    assert stream_through(NeedleToolParser(None), text) == (text, [])
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data(), text=outputs)
+def test_streamed_calls_and_content_equal_the_non_streaming_result_for_any_cut(data, text):
+    assert stream_deltas(NeedleToolParser(None), data.draw(cut(text))) == whole(text)
+
+
+class NeedleParser(DelegatingParser):
+    """vLLM's composition of a tool parser (no reasoning parser), as `--tool-call-parser needle` builds it."""
+
+    tool_parser_cls = NeedleToolParser
+
+
+REQUEST = ChatCompletionRequest(model="needle", messages=[{"role": "user", "content": "hi"}],
+                                tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}])
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data(), text=outputs)
+def test_vllms_stream_of_the_parser_equals_its_whole_answer(data, text):
+    """Through `Parser.parse_delta(..., finished=...)`, the path `vllm serve` streams by."""
+    deltas = data.draw(cut(text)) or [""]
+    parser = NeedleParser(None)
+    streamed = collect(parser.parse_delta(delta, [], REQUEST, [1], finished=index == len(deltas) - 1)
+                       for index, delta in enumerate(deltas))
+    _, content, calls = NeedleParser(None).parse(text, REQUEST, enable_auto_tools=True)
+    assert streamed == (content or "", [(c.name, json.loads(c.arguments)) for c in calls or []])
+
+
+def test_tool_choice_none_returns_the_output_as_content():
+    request = REQUEST.model_copy(update={"tool_choice": "none"})
+    assert whole(TWO_CALLS, request) == (TWO_CALLS, [])
+    assert stream_deltas(NeedleToolParser(None), [TWO_CALLS[:9], TWO_CALLS[9:]], request) == (TWO_CALLS, [])
 
 
 def test_empty_call_list_means_no_tool_call():
