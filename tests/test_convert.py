@@ -127,7 +127,7 @@ def test_folder_holds_config_generation_config_and_the_native_tensors(converted,
         "chat_template.jinja", "chat_template.py", "config.json", "configuration_needle.py", "conversion_report.json",
         "deploy_numerics.py", "deploy_numerics_flax.py", "generation_config.json", "model.safetensors",
         "modeling_flax_needle.py", "modeling_needle.py", "numerics.py", "remote_code.py",
-        "special_tokens_map.json", "speculative.py", "speculative_flax.py", "tokenization_needle_fast.py", "tokenizer.json",
+        "special_tokens_map.json", "speculative.py", "speculative_flax.py", "tokenizer.json",
         "tokenizer_config.json", "weight_names.py",
     ]
     config = AutoConfig.from_pretrained(str(converted))
