@@ -124,9 +124,9 @@ def test_folder_holds_config_generation_config_and_the_native_tensors(converted,
     from transformers import AutoConfig, GenerationConfig
 
     assert sorted(p.name for p in converted.iterdir()) == [
-        "chat_template.jinja", "chat_template.py", "config.json", "configuration_needle.py", "conversion_report.json",
+        "chat_template.jinja", "config.json", "configuration_needle.py", "conversion_report.json",
         "deploy_numerics.py", "deploy_numerics_flax.py", "generation_config.json", "model.safetensors",
-        "modeling_flax_needle.py", "modeling_needle.py", "numerics.py", "remote_code.py",
+        "modeling_flax_needle.py", "modeling_needle.py", "mtp_option.py", "numerics.py", "remote_code.py",
         "special_tokens_map.json", "speculative.py", "speculative_flax.py", "tokenizer.json",
         "tokenizer_config.json", "weight_names.py",
     ]
