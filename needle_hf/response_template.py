@@ -18,6 +18,8 @@ turns it gives the calls `tool_calls.parse_tool_calls` gives; malformed turns ar
 the template never raises, `parse_tool_calls` names the fault.
 """
 
+import re
+
 from .chat_template import IM_END, IM_START, THINK_END, THINK_START, TOOL_CALL_END, TOOL_CALL_START
 
 # The prompt ends with this; parsing starts after its last occurrence in the prompt.
@@ -28,10 +30,6 @@ _EOS_TEXT = "</s>"
 _PAD_TEXT = "<pad>"
 
 
-def _escaped(marker: str) -> str:
-    return "".join("\\" + char if char in "|[]()." else char for char in marker)
-
-
 #: The declarative response template (format version 1 of transformers' `chat_parsing`).
 RESPONSE_TEMPLATE = {
     "version": 1,
@@ -40,16 +38,17 @@ RESPONSE_TEMPLATE = {
     "fields": {
         # The template writes "<think>\n{reasoning}\n</think>\n": the newlines inside are layout.
         "thinking": {
-            "open_pattern": rf"\s*{_escaped(THINK_START)}\s*",
-            "close_pattern": rf"\s*{_escaped(THINK_END)}",
+            "open_pattern": rf"\s*{re.escape(THINK_START)}\s*",
+            "close_pattern": rf"\s*{re.escape(THINK_END)}",
             "content": "text",
         },
         # One JSON list per block; each element {"name", "arguments"} becomes an OpenAI-style call.
         # The block closes at the "</tool_call>" that follows the list's "]" and ends the turn, so an
         # argument string that spells "</tool_call>" stays inside the JSON.
         "tool_calls": {
-            "open_pattern": rf"\s*{_escaped(TOOL_CALL_START)}",
-            "close_pattern": rf"(?<=\])\s*{_escaped(TOOL_CALL_END)}(?=\s*(?:{_escaped(IM_END)}|{_escaped(_EOS_TEXT)}|\Z))",
+            "open_pattern": rf"\s*{re.escape(TOOL_CALL_START)}",
+            "close_pattern": (rf"(?<=\])\s*{re.escape(TOOL_CALL_END)}"
+                              rf"(?=\s*(?:{re.escape(IM_END)}|{re.escape(_EOS_TEXT)}|\Z))"),
             "content": "json",
             "transform": {"type": "function", "function": {"name": "{name}", "arguments": "{arguments}"}},
             "transform_each": True,
@@ -57,7 +56,7 @@ RESPONSE_TEMPLATE = {
         # Text outside both blocks (none in a well-formed turn); the turn ends at <|im_end|> or EOS,
         # and the end markers and pads after it are no text.
         "content": {
-            "close_pattern": rf"(?:\s*(?:{_escaped(IM_END)}|{_escaped(_EOS_TEXT)}|{_escaped(_PAD_TEXT)}))+",
+            "close_pattern": rf"(?:\s*(?:{re.escape(IM_END)}|{re.escape(_EOS_TEXT)}|{re.escape(_PAD_TEXT)}))+",
             "content": "text",
         },
     },
