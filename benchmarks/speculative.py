@@ -1,6 +1,6 @@
 """Decoding with drafts (PyTorch and Flax, greedy, batch 1): MTP self-speculation and prompt lookup vs plain.
 
-Rows: plain `generate`, `generate(use_mtp=True)` (the MTP head drafts t+2, the backbone verifies),
+Rows: plain `generate`, `generate(use_mtp_head=True)` (the MTP head drafts t+2, the backbone verifies),
 `generate(prompt_lookup_num_tokens=10)` (transformers' n-gram lookup in the prompt). Workloads: held-out
 demo prompts (`needle_hf.demo.data`, ``split="held_out"``), and the Needle 2 geometry with random
 weights (a 64-token random prompt, 64 new tokens). Every row must write the plain tokens (checked).
@@ -59,7 +59,7 @@ def run_rows(model, prompts, new_tokens):
     """{row: (seconds, generated tokens, drafted, accepted, forwards)} over `prompts` ([1, T] inputs)."""
     import torch
 
-    rows = {"plain": {}, "use_mtp": {"use_mtp": True, "return_dict_in_generate": True},
+    rows = {"plain": {}, "use_mtp_head": {"use_mtp_head": True, "return_dict_in_generate": True},
             "prompt lookup": {"prompt_lookup_num_tokens": 10}}
     totals = {name: [0.0, 0, 0, 0, 0] for name in rows}  # seconds, tokens, drafted, accepted, forwards
     # Prompt by prompt, every row in turn: a load that drifts during the run weighs on all rows alike.
@@ -154,7 +154,7 @@ def run_flax_rows(folder, prompts, new_tokens, pad_id):
                        jnp.asarray(np.pad(mask, ((0, 0), (gap, 0))), jnp.int32)))
     options = dict(do_sample=False, max_new_tokens=new_tokens, pad_token_id=pad_id)
     plain = jax.jit(lambda x, m: model.generate(x, attention_mask=m, **options).sequences)
-    drafted = jax.jit(lambda x, m: model.generate(x, attention_mask=m, use_mtp=True, **options))
+    drafted = jax.jit(lambda x, m: model.generate(x, attention_mask=m, use_mtp_head=True, **options))
     results, reference = {}, []
     for name, fn in (("flax plain", plain), ("flax use_mtp", drafted)):
         jax.block_until_ready(fn(*padded[0]))  # compile

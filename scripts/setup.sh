@@ -21,6 +21,9 @@ REFERENCE="cactus-needle[train]==2.0.15"
 # Fine-tuning stack (the `finetune` extra), the same pins in both environments; datasets 5.0.1 is the
 # newest release that accepts huggingface_hub<1.0 (.venv), 5.2.0 the one for huggingface_hub 1.x (.venv-v5).
 FINETUNE="peft==0.21.2 trl==1.16.0 accelerate==1.15.0"
+# The grammar engine in .venv and .venv-v5; .venv-vllm keeps the 1.7.x vLLM 0.32 pins (the `grammar`
+# extra accepts both, see pyproject.toml).
+LLGUIDANCE="llguidance==1.9.1"
 # The ONNX export test's exporter and runtime (.venv only).
 ONNX=("onnx==1.23.2" "onnxruntime==1.32.0" "onnxscript==0.7.2")
 
@@ -39,7 +42,7 @@ setup_main() {
     pip_quiet .venv/bin/python -m pip install "$TORCH" "transformers==4.57.6" "$REFERENCE" \
         "jax>=0.4.30" "flax>=0.10" "huggingface_hub<1.0" pytest hypothesis psutil sentencepiece "${ONNX[@]}"
     editable pip_quiet .venv/bin/python -m pip install -e ".[flax,torch,grammar,test,finetune]" "$TORCH" "transformers==4.57.6" \
-        "huggingface_hub<1.0" "datasets==5.0.1" $FINETUNE
+        "huggingface_hub<1.0" "datasets==5.0.1" $FINETUNE "$LLGUIDANCE"
     # xgrammar only for benchmarks/grammar.py; without its deps, which would add triton beside CPU torch.
     pip_quiet .venv/bin/python -m pip install --no-deps "xgrammar==0.2.9"
     pip_quiet .venv/bin/python -m pip install "apache-tvm-ffi==0.1.15.post2" "pydantic>=2" "$TORCH" "transformers==4.57.6"
@@ -54,7 +57,7 @@ setup_v5() {
     pip_quiet .venv-v5/bin/python -m pip install "$TORCH" "transformers>=5,<6" "huggingface_hub>=1.0" \
         safetensors tokenizers sentencepiece protobuf jinja2 numpy ml_dtypes pytest hypothesis psutil "$REFERENCE" \
         "datasets==5.2.0" $FINETUNE \
-        "llguidance==1.9.1" "jsonschema>=4.20" "hypothesis>=6.100" "pydantic>=2"
+        "$LLGUIDANCE" "jsonschema>=4.20" "hypothesis>=6.100" "pydantic>=2"
     rm -f .venv-v5/.needle-setup-*
     touch .venv-v5/.needle-setup-$STAMP
 }

@@ -131,12 +131,25 @@ class NeedleLossMixin:
         loss = needle_causal_lm_loss(
             outputs.logits, labels, mtp_logits=outputs.mtp_logits if with_mtp else None,
             mtp_loss_weight=self.mtp_loss_weight, num_items_in_batch=num_items_in_batch,
-        )
+        ) * self._token_loss_scale(num_items_in_batch)
         if with_confidence:
             cells = model.cells_from_hidden_states(inputs["input_ids"], outputs.hidden_states)  # [B, T, L + 1, d]
             logits = model.confidence_head(cells, confidence_mask.bool(), model.model.embed_tokens.weight.dtype)
             loss = loss + self.confidence_loss_weight * confidence_loss(logits, confidence_labels)
         return (loss, outputs) if return_outputs else loss
+
+    def _token_loss_scale(self, num_items_in_batch) -> int:
+        """The factor of the token-averaged terms under data parallelism, as `Trainer.compute_loss` applies it.
+
+        With ``average_tokens_across_devices`` `Trainer` counts ``num_items_in_batch`` over every
+        process, so each process's sum over that count is its share of the global token mean; DDP then
+        averages the processes' gradients, so the share is scaled by the process count to make the
+        averaged gradient the global mean's. (The confidence term is a per-batch mean, which DDP's
+        average already turns into the global one.)
+        """
+        if num_items_in_batch is None or not self.args.average_tokens_across_devices:
+            return 1
+        return self.args.n_gpu if self.args.n_gpu > 1 else self.accelerator.num_processes
 
 
 class NeedleTrainer(NeedleLossMixin, Trainer):

@@ -145,9 +145,13 @@ def test_pipeline_answers_with_the_processor_on_the_demo(demo_folder):  # noqa: 
     written = generator(prompt, skip_special_tokens=False, **kwargs)[0]["generated_text"]
     assert written.endswith(tokenizer.eos_token), written
     _assert_valid_answer(written.removesuffix(tokenizer.eos_token), tools)
-    # The answer as the pipeline gives it ends with the turn, without the marker.
     answer = generator(prompt, **kwargs)[0]["generated_text"]
-    assert answer == written.removesuffix("<|im_end|>" + tokenizer.eos_token)
+    if int(transformers.__version__.split(".")[0]) >= 5:
+        # The folder's response_template makes 5.x's pipeline keep every token (it parses chat answers).
+        assert answer == written
+    else:
+        # The answer as the pipeline gives it ends with the turn, without the marker.
+        assert answer == written.removesuffix("<|im_end|>" + tokenizer.eos_token)
 
 
 @pytest.mark.skipif(not hasattr(transformers, "FlaxPreTrainedModel"), reason="transformers 5 has no Flax")

@@ -58,23 +58,31 @@ def _tools_kwargs(tools):
     return {"tokenizer_encode_kwargs": {"tools": tools}}
 
 
-def _answer_of(record):
-    """The assistant text of one chat pipeline record."""
+def _calls_of(record):
+    """The tool calls of one chat pipeline record, `[{"name", "arguments"}]`.
+
+    transformers 5.13+ parses the answer with the folder's `response_template` (the message holds
+    `tool_calls`, no `content`); 4.57 returns the answer's text, read by `parse_tool_calls`.
+    """
     reply = record["generated_text"][-1]
     assert reply["role"] == "assistant"
-    return reply["content"]
+    if MAJOR_VERSION >= 5:
+        assert "content" not in reply, reply
+        return [call["function"] for call in reply.get("tool_calls", [])]
+    return parse_tool_calls(reply["content"])
 
 
 def test_chat_with_tools_returns_a_parseable_call_to_the_right_tool(generator):
     for tools, query, expected_tool in TOOL_QUERIES:
         records = generator([{"role": "user", "content": query}], max_new_tokens=MAX_NEW_TOKENS,
                             do_sample=False, **_tools_kwargs(tools))
-        answer = _answer_of(records[0])
-        calls = parse_tool_calls(answer)
-        assert [call["name"] for call in calls] == [expected_tool], f"{query!r} -> {answer!r}"
+        calls = _calls_of(records[0])
+        assert [call["name"] for call in calls] == [expected_tool], f"{query!r} -> {records[0]!r}"
 
 
-def test_chat_answer_ends_at_the_end_of_the_turn_without_the_marker(generator):
+def test_chat_answer_ends_at_the_end_of_the_turn_without_the_marker(generator, demo_folder):
+    from needle_hf.tokenization_needle_fast import NeedleTokenizerFast
+
     tools, query, expected_tool = TOOL_QUERIES[0]
     tokenizer, model = generator.tokenizer, generator.model
     messages = [{"role": "user", "content": query}]
@@ -86,15 +94,19 @@ def test_chat_answer_ends_at_the_end_of_the_turn_without_the_marker(generator):
     assert new_ids.tolist()[-2:] == [im_end_id, tokenizer.eos_token_id]
     turn = tokenizer.decode(new_ids[:-2], skip_special_tokens=False)  # every id as written, but the end
     assert "<|im_end|>" not in turn and turn.startswith("<tool_call>") and turn.endswith("</tool_call>")
-    # The README's decode gives the same text.
-    assert tokenizer.decode(new_ids, skip_special_tokens=True) == turn
+    # The README's decode gives the same text (NeedleTokenizerFast hides the turn marker on every version).
+    assert NeedleTokenizerFast.from_pretrained(demo_folder).decode(new_ids, skip_special_tokens=True) == turn
 
-    answer = _answer_of(generator(messages, max_new_tokens=MAX_NEW_TOKENS, do_sample=False, **_tools_kwargs(tools))[0])
-    assert "<|im_end|>" not in answer
-    # transformers 5 decodes the new ids alone, so the decoder drops the target's leading dummy-prefix
-    # space as above; 4.57 cuts the decoded prompt's text off the decoded whole, which keeps it.
-    assert answer == (turn if MAJOR_VERSION >= 5 else " " + turn)
-    assert [call["name"] for call in parse_tool_calls(answer)] == [expected_tool]
+    record = generator(messages, max_new_tokens=MAX_NEW_TOKENS, do_sample=False, **_tools_kwargs(tools))[0]
+    if MAJOR_VERSION >= 5:
+        # The response_template parses the generated ids with the prompt as prefix, as parse_response does.
+        assert record["generated_text"][-1] == tokenizer.parse_response(new_ids, prefix=prompt["input_ids"][0],
+                                                                        tools=tools)
+    else:
+        # 4.57 cuts the decoded prompt's text off the decoded whole, which keeps the dummy-prefix space.
+        assert record["generated_text"][-1]["content"] == " " + turn
+    assert _calls_of(record) == parse_tool_calls(turn)
+    assert [call["name"] for call in parse_tool_calls(turn)] == [expected_tool]
 
 
 def test_batched_chats_give_the_answers_of_one_by_one(generator):
@@ -102,11 +114,11 @@ def test_batched_chats_give_the_answers_of_one_by_one(generator):
     for tools, cases in (([SET_ALARM, SEND_MESSAGE], TOOL_QUERIES[:2]), ([SET_TEMPERATURE, PLAY_MUSIC], TOOL_QUERIES[2:])):
         chats = [[{"role": "user", "content": query}] for _, query, _ in cases]
         kwargs = dict(max_new_tokens=MAX_NEW_TOKENS, do_sample=False, **_tools_kwargs(tools))
-        single = [_answer_of(generator(chat, **kwargs)[0]) for chat in chats]
-        batched = [_answer_of(records[0]) for records in generator(chats, batch_size=2, **kwargs)]
+        single = [generator(chat, **kwargs)[0]["generated_text"][-1] for chat in chats]
+        batched = [records[0]["generated_text"][-1] for records in generator(chats, batch_size=2, **kwargs)]
         assert batched == single
-        for answer, (_, _, expected_tool) in zip(batched, cases):
-            assert [call["name"] for call in parse_tool_calls(answer)] == [expected_tool], answer
+        for records, (_, _, expected_tool) in zip(generator(chats, batch_size=2, **kwargs), cases):
+            assert [call["name"] for call in _calls_of(records[0])] == [expected_tool], records
 
 
 def test_plain_text_prompt_matches_the_chat_answer(generator):
@@ -119,9 +131,9 @@ def test_plain_text_prompt_matches_the_chat_answer(generator):
     plain_prompt = rendered[len(tokenizer.bos_token):]
     kwargs = dict(max_new_tokens=MAX_NEW_TOKENS, do_sample=False)
     plain = generator(plain_prompt, return_full_text=False, **kwargs)[0]["generated_text"]
-    chat = _answer_of(generator(messages, **kwargs, **_tools_kwargs(tools))[0])
-    assert plain.strip() == chat.strip()
-    assert [call["name"] for call in parse_tool_calls(plain)] == [expected_tool]
+    chat_calls = _calls_of(generator(messages, **kwargs, **_tools_kwargs(tools))[0])
+    assert parse_tool_calls(plain) == chat_calls
+    assert [call["name"] for call in chat_calls] == [expected_tool]
     free_text = generator(["Hello there", "Play"], batch_size=2, **kwargs)
     assert all(isinstance(records[0]["generated_text"], str) for records in free_text)
 
@@ -138,6 +150,7 @@ _CHILD = textwrap.dedent("""
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
     import needle_hf  # registers Needle with the Auto classes
+    from needle_hf.tokenization_needle import save_fast_tokenizer
 
     source, resave, results, text = sys.argv[1:5]
     model = AutoModelForCausalLM.from_pretrained(source, torch_dtype=torch.float32)
@@ -147,7 +160,7 @@ _CHILD = textwrap.dedent("""
         logits = model(input_ids=ids).logits
     np.savez(results, ids=ids.numpy(), logits=logits.numpy(), version=transformers.__version__)
     model.save_pretrained(resave)
-    tokenizer.save_pretrained(resave)
+    save_fast_tokenizer(tokenizer, resave)  # 5.x's own save_pretrained names TokenizersBackend, unknown to 4.57
 """)
 
 
@@ -164,7 +177,7 @@ def test_folder_saved_under_one_version_loads_under_the_other(demo_folder, tmp_p
     ids, logits = _ids_and_logits(demo_folder)
     saved_here = tmp_path / "saved-here"
     AutoModelForCausalLM.from_pretrained(demo_folder).save_pretrained(saved_here)
-    AutoTokenizer.from_pretrained(demo_folder).save_pretrained(saved_here)
+    save_fast_tokenizer(AutoTokenizer.from_pretrained(demo_folder), saved_here)
 
     saved_there, results = tmp_path / "saved-there", tmp_path / "there.npz"
     env = dict(os.environ, PYTHONPATH=str(REPO))

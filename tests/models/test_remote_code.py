@@ -73,7 +73,7 @@ for label, source in arguments["sources"].items():
     entry = result["sources"][label] = {}
     config = AutoConfig.from_pretrained(source, trust_remote_code=True)
     entry["config_class"] = f"{type(config).__module__}.{type(config).__name__}"
-    # The tokenizer's class is shipped too (tokenizer_config.json's auto_map names it).
+    # The tokenizer is transformers' own fast tokenizer: no code of its own to trust.
     tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=True)
     entry["tokenizer_class"] = type(tokenizer).__name__
     entry["tokenizer_module"] = type(tokenizer).__module__
@@ -212,8 +212,7 @@ def run_for(remote_runs, environment: str) -> RemoteRun:
 def package_outputs(remote_folder):
     """The package's own classes on the same folder: token ids, logits, hidden states, greedy reply."""
     folder, _ = remote_folder
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    assert type(tokenizer) is NeedleTokenizerFast
+    tokenizer = NeedleTokenizerFast.from_pretrained(folder)
     ids = tokenizer(TEXT)["input_ids"]
     model = NeedleForCausalLM.from_pretrained(folder)
     with torch.no_grad():
@@ -330,8 +329,8 @@ def test_remote_config_and_tokenizer_load_and_encode_like_the_package(
 
     assert loaded["config_class"].startswith("transformers_modules.")
     assert loaded["config_class"].endswith(".configuration_needle.NeedleConfig")
-    assert loaded["tokenizer_class"] == "NeedleTokenizerFast"
-    assert loaded["tokenizer_module"].startswith("transformers_modules.")
+    assert loaded["tokenizer_class"] in ("PreTrainedTokenizerFast", "TokenizersBackend")
+    assert loaded["tokenizer_module"].startswith("transformers.")
     assert loaded["input_ids"] == package_outputs["ids"]
 
 
@@ -375,8 +374,15 @@ def test_remote_pipeline_with_tools_generates_the_package_greedy_reply(
     reply = run_for(remote_runs, environment).source(source)["pipeline_reply"]
 
     assert reply["role"] == "assistant"
-    assert reply["content"] == package_outputs["reply"]
-    assert reply["content"]  # the tiny random model still generates NEW_TOKENS tokens of something
+    assert package_outputs["reply"]  # the tiny random model still generates NEW_TOKENS tokens of something
+    if ENVIRONMENTS[environment]["major"] >= 5:
+        # 5.x parses the answer with the folder's response_template: free text (no <think>, no
+        # <tool_call>) is the content, stripped, and an empty content is left out.
+        assert "<tool_call>" not in package_outputs["reply"] and "<think>" not in package_outputs["reply"]
+        assert reply == {"role": "assistant", **({"content": package_outputs["reply"].strip()}
+                                                 if package_outputs["reply"].strip() else {})}
+    else:
+        assert reply["content"] == package_outputs["reply"]
 
 
 @pytest.mark.parametrize("environment", ENVIRONMENTS)

@@ -1,4 +1,4 @@
-"""Decoding with drafts: MTP self-speculation (`generate(use_mtp=True)`) and prompt lookup.
+"""Decoding with drafts: MTP self-speculation (`generate(use_mtp_head=True)`) and prompt lookup.
 
 Both must write exactly the tokens of plain greedy decoding, and MTP sampling must keep the plain
 sampling distribution. A random MTP head drafts badly (every
@@ -68,7 +68,7 @@ def test_mtp_speculation_writes_the_greedy_tokens(batch, copying_mtp):
     ids, mask = _left_padded_batch()
     ids, mask = ids[:batch], mask[:batch]
     plain = model.generate(ids, attention_mask=mask, **GREEDY)
-    out = model.generate(ids, attention_mask=mask, use_mtp=True, return_dict_in_generate=True, **GREEDY)
+    out = model.generate(ids, attention_mask=mask, use_mtp_head=True, return_dict_in_generate=True, **GREEDY)
     assert torch.equal(out.sequences, plain)
     assert out.drafted > 0
     if copying_mtp:
@@ -93,11 +93,11 @@ def test_mtp_speculation_after_rejections_and_acceptances_on_the_demo(demo_folde
     tokenizer = AutoTokenizer.from_pretrained(demo_folder)
     inputs = _demo_inputs(tokenizer, ["Wake me up at 11:11 tomorrow."])
     plain = model.generate(**inputs, do_sample=False, max_new_tokens=48)
-    out = model.generate(**inputs, do_sample=False, max_new_tokens=48, use_mtp=True, return_dict_in_generate=True)
+    out = model.generate(**inputs, do_sample=False, max_new_tokens=48, use_mtp_head=True, return_dict_in_generate=True)
     assert torch.equal(out.sequences, plain)
     assert 0 < out.accepted < out.drafted
     batch = _demo_inputs(tokenizer, ["Wake me up at 11:11 tomorrow.", "Alarm at 7:00 please.", "Set an alarm for 22:22."])
-    assert torch.equal(model.generate(**batch, do_sample=False, max_new_tokens=48, use_mtp=True),
+    assert torch.equal(model.generate(**batch, do_sample=False, max_new_tokens=48, use_mtp_head=True),
                        model.generate(**batch, do_sample=False, max_new_tokens=48))
 
 
@@ -108,14 +108,14 @@ def test_mtp_speculation_stops_at_eos_and_pads_like_generate():
     eos = int(plain[0, PROMPT + 7])  # a token row 0 writes: it ends row 0 there (and maybe others)
     options = {**GREEDY, "eos_token_id": eos}
     expected = model.generate(ids, attention_mask=mask, **options)
-    assert torch.equal(model.generate(ids, attention_mask=mask, use_mtp=True, **options), expected)
+    assert torch.equal(model.generate(ids, attention_mask=mask, use_mtp_head=True, **options), expected)
 
 
 def test_mtp_speculation_with_the_attention_window():
     model = _model(seed=2, copying_mtp=True)
     ids, mask = _left_padded_batch()
     options = {**GREEDY, "attention_window": 16}
-    assert torch.equal(model.generate(ids, attention_mask=mask, use_mtp=True, **options),
+    assert torch.equal(model.generate(ids, attention_mask=mask, use_mtp_head=True, **options),
                        model.generate(ids, attention_mask=mask, **options))
 
 
@@ -123,9 +123,9 @@ def test_mtp_speculation_refuses_what_it_would_ignore():
     model = _model(seed=1, copying_mtp=False)
     ids, mask = _left_padded_batch()
     with pytest.raises(ValueError, match="num_beams must be 1"):
-        model.generate(ids, use_mtp=True, num_beams=2, max_new_tokens=4)
+        model.generate(ids, use_mtp_head=True, num_beams=2, max_new_tokens=4)
     with pytest.raises(ValueError, match="does not take logits_processor"):
-        model.generate(ids, use_mtp=True, logits_processor=LogitsProcessorList([TopKLogitsWarper(2)]), max_new_tokens=4)
+        model.generate(ids, use_mtp_head=True, logits_processor=LogitsProcessorList([TopKLogitsWarper(2)]), max_new_tokens=4)
 
 
 SAMPLING = dict(do_sample=True, top_k=4, temperature=0.8, eos_token_id=None, pad_token_id=0)
@@ -158,7 +158,7 @@ def test_mtp_sampling_keeps_the_sampling_distribution():
     torch.manual_seed(0)
     plain = model.generate(ids, max_new_tokens=4, **SAMPLING)[:, 3:]
     torch.manual_seed(1)
-    drafted = model.generate(ids, max_new_tokens=4, use_mtp=True, **SAMPLING)[:, 3:]
+    drafted = model.generate(ids, max_new_tokens=4, use_mtp_head=True, **SAMPLING)[:, 3:]
     table = _joint_counts(plain, drafted)
     assert table.shape[1] > 20  # the test sees a spread distribution, not a few tokens
     assert chi2_contingency(table).pvalue > 1e-3
@@ -171,9 +171,9 @@ def test_mtp_sampling_is_seeded_and_stays_in_the_warped_support():
     drafted = accepted = 0
     for seed in range(4):
         torch.manual_seed(seed)
-        out = model.generate(ids, max_new_tokens=16, use_mtp=True, return_dict_in_generate=True, **SAMPLING)
+        out = model.generate(ids, max_new_tokens=16, use_mtp_head=True, return_dict_in_generate=True, **SAMPLING)
         torch.manual_seed(seed)
-        assert torch.equal(model.generate(ids, max_new_tokens=16, use_mtp=True, **SAMPLING), out.sequences)
+        assert torch.equal(model.generate(ids, max_new_tokens=16, use_mtp_head=True, **SAMPLING), out.sequences)
         drafted, accepted = drafted + out.drafted, accepted + out.accepted
         # Every token lies in the top_k=4 support of the plain distribution at its position.
         logits = model(out.sequences).logits[0, PROMPT - 1 : -1]  # [16, V]

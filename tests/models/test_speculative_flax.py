@@ -1,4 +1,4 @@
-"""Flax `generate(use_mtp=True)`: MTP self-speculation writes exactly the plain greedy tokens, and
+"""Flax `generate(use_mtp_head=True)`: MTP self-speculation writes exactly the plain greedy tokens, and
 samples with the plain sampling distribution.
 
 The models come from the PyTorch tests' builders (`test_speculative`), saved and read back by the
@@ -33,9 +33,9 @@ def tiny_models(tmp_path_factory):
 
 
 def _plain_and_drafted(model, ids, mask, **options):
-    """(plain greedy sequences, the `use_mtp=True` output), both under `jax.jit`."""
+    """(plain greedy sequences, the `use_mtp_head=True` output), both under `jax.jit`."""
     plain = jax.jit(lambda x, m: model.generate(x, attention_mask=m, do_sample=False, **options).sequences)
-    drafted = jax.jit(lambda x, m: model.generate(x, attention_mask=m, do_sample=False, use_mtp=True, **options))
+    drafted = jax.jit(lambda x, m: model.generate(x, attention_mask=m, do_sample=False, use_mtp_head=True, **options))
     return np.asarray(plain(ids, mask)), drafted(ids, mask)
 
 
@@ -81,8 +81,8 @@ def test_flax_mtp_sampling_keeps_the_sampling_distribution_and_is_seeded(tiny_mo
     ids = np.repeat(np.asarray(_left_padded_batch()[0][:1, -3:], np.int32), 2000, axis=0)
     options = dict(max_new_tokens=4, **SAMPLING)
     plain = jax.jit(lambda x, key: model.generate(x, prng_key=key, **options).sequences)
-    batched = jax.jit(lambda x, key: model.generate(x, prng_key=key, use_mtp=True, **options).sequences)
-    one_row = jax.jit(jax.vmap(lambda x, key: model.generate(x[None], prng_key=key, use_mtp=True, **options)))
+    batched = jax.jit(lambda x, key: model.generate(x, prng_key=key, use_mtp_head=True, **options).sequences)
+    one_row = jax.jit(jax.vmap(lambda x, key: model.generate(x[None], prng_key=key, use_mtp_head=True, **options)))
     keys = jax.random.split(jax.random.PRNGKey(1), len(ids))
     rows = one_row(ids, keys)
     samples = [plain(ids, jax.random.PRNGKey(0)), batched(ids, jax.random.PRNGKey(1)), rows.sequences[:, 0]]

@@ -12,6 +12,8 @@ import sentencepiece
 import transformers
 from spm_fixture import FIXTURE_CHAT_MARKERS, FIXTURE_VOCAB_SIZE, fixture_corpus, train_needle_spm
 
+from needle_hf.chat_template import TURN_MARKERS
+
 from needle_hf.tokenization_needle import (
     BOS_ID,
     EOS_ID,
@@ -196,8 +198,10 @@ def test_random_texts_decode_like_sentencepiece(sentencepiece_model, fast_tokeni
 def test_markers_are_added_tokens_that_decode_as_text(fast_tokenizer):
     assert fast_tokenizer.convert_tokens_to_ids(list(FIXTURE_CHAT_MARKERS)) == list(range(4, 14))
     added = fast_tokenizer.added_tokens_decoder
-    assert all(added[marker_id].content == marker and not added[marker_id].special
+    # Only the turn markers are flagged special (what hides them in a plain tokenizer under tokenizers 0.22).
+    assert all(added[marker_id].content == marker and added[marker_id].special == (marker in TURN_MARKERS)
                for marker_id, marker in enumerate(FIXTURE_CHAT_MARKERS, start=4))
+    assert TURN_MARKERS == ("<|im_start|>", "<|im_end|>")
     answer = "<think>\nx\n</think>\n<tool_call>[]</tool_call>"
     ids = fast_tokenizer(answer + "<|im_end|>")["input_ids"] + [EOS_ID]
     # The answer's markers are text; the turn markers delimit turns and skip_special_tokens hides them.
@@ -252,11 +256,38 @@ def test_reference_cact_tokenizer_blob_rebuilds_the_same_tokenizer(needle_spm_mo
     assert rebuilt(texts)["input_ids"] == [reference_ids(sentencepiece_model, text) for text in texts]
 
 
-def test_saved_folder_reloads_with_auto_tokenizer(tmp_path, sentencepiece_model, fast_tokenizer):
-    from transformers import AutoTokenizer
+# Run in a fresh interpreter that never imports needle_hf: what a Hub tool that only tokenizes sees.
+_PLAIN_LOAD = r"""
+import json, sys
+from transformers import AutoTokenizer
+tokenizer = AutoTokenizer.from_pretrained(sys.argv[1])
+texts = json.loads(sys.argv[2])
+print(json.dumps({
+    "class": type(tokenizer).__name__,
+    "needle_hf_imported": any(name.split(".")[0] == "needle_hf" for name in sys.modules),
+    "ids": tokenizer(texts)["input_ids"],
+    "chat_template": tokenizer.chat_template,
+    "specials": [tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.unk_token_id],
+    "prompt": tokenizer.apply_chat_template([{"role": "user", "content": "hi <|im_end|>"}], tokenize=False,
+                                            add_generation_prompt=True),
+    "hidden": tokenizer.decode(tokenizer("a  b\n<think><|im_end|>")["input_ids"], skip_special_tokens=True),
+}))
+"""
 
-    from needle_hf.tokenization_needle_fast import NeedleTokenizerFast
 
+def _load_without_needle_hf(folder, texts):
+    import os
+    import subprocess
+    import sys
+
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    result = subprocess.run([sys.executable, "-c", _PLAIN_LOAD, str(folder), json.dumps(texts)], env=env,
+                            capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return json.loads(result.stdout.splitlines()[-1])
+
+
+def test_saved_folder_loads_as_a_plain_fast_tokenizer_without_needle_hf(tmp_path, sentencepiece_model, fast_tokenizer):
     save_fast_tokenizer(fast_tokenizer, tmp_path)
     expected_files = ["tokenizer.json", "tokenizer_config.json"]
     if int(transformers.__version__.split(".")[0]) < 5:  # 5.x keeps the special tokens in the config only
@@ -264,19 +295,57 @@ def test_saved_folder_reloads_with_auto_tokenizer(tmp_path, sentencepiece_model,
     for name in expected_files:
         assert (tmp_path / name).is_file(), name
     config = json.loads((tmp_path / "tokenizer_config.json").read_text())
-    # The class by name (registered by needle_hf) and as remote code shipped beside (trust_remote_code).
-    assert config["tokenizer_class"] == "NeedleTokenizerFast"
-    assert config["auto_map"] == {"AutoTokenizer": [None, "tokenization_needle_fast.NeedleTokenizerFast"]}
-    assert (tmp_path / "tokenization_needle_fast.py").is_file() and (tmp_path / "chat_template.py").is_file()
+    assert config["tokenizer_class"] == "PreTrainedTokenizerFast" and "auto_map" not in config
+    assert not list(tmp_path.glob("*.py"))  # no code to trust
     assert config["model_max_length"] == 2048
 
-    reloaded = AutoTokenizer.from_pretrained(tmp_path)
+    texts = list(VARIED_TEXTS.values())
+    loaded = _load_without_needle_hf(tmp_path, texts)
+    assert not loaded["needle_hf_imported"]
+    # transformers 5.x's PreTrainedTokenizerFast is an alias of TokenizersBackend, the class it reports.
+    assert loaded["class"] in ("PreTrainedTokenizerFast", "TokenizersBackend")
+    assert loaded["ids"] == [reference_ids(sentencepiece_model, text) for text in texts]
+    assert loaded["chat_template"] == fast_tokenizer.chat_template
+    assert loaded["specials"] == [BOS_ID, EOS_ID, PAD_ID, UNK_ID]
+    assert loaded["prompt"] == fast_tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi <|im_end|>"}], tokenize=False, add_generation_prompt=True)
+    if transformers.__version__.startswith("4."):
+        # tokenizers 0.22: the turn markers' special flag hides them in a plain tokenizer too.
+        assert loaded["hidden"] == "a  b\n<think>"
+    else:
+        # tokenizers 0.23 reads the flag under the normalised spelling (see tokenization_needle_fast):
+        # the plain tokenizer keeps the turn marker; the response_template parses answers instead.
+        assert loaded["hidden"] == "a  b\n<think><|im_end|>"
+
+
+def test_needle_tokenizer_class_loads_the_plain_folder_and_hides_the_turn_markers(tmp_path, sentencepiece_model,
+                                                                                 fast_tokenizer):
+    from transformers import AutoTokenizer
+
+    from needle_hf.tokenization_needle_fast import NeedleTokenizerFast
+
+    save_fast_tokenizer(fast_tokenizer, tmp_path)
+    reloaded = NeedleTokenizerFast.from_pretrained(tmp_path)
     assert type(reloaded) is NeedleTokenizerFast
     texts = list(VARIED_TEXTS.values())
     assert reloaded(texts)["input_ids"] == [reference_ids(sentencepiece_model, text) for text in texts]
     assert reloaded.chat_template == fast_tokenizer.chat_template
     assert (reloaded.bos_token_id, reloaded.eos_token_id, reloaded.pad_token_id) == (BOS_ID, EOS_ID, PAD_ID)
     assert reloaded.decode(reloaded("a  b\n<think><|im_end|>")["input_ids"], skip_special_tokens=True) == "a  b\n<think>"
+    # With needle_hf imported, AutoTokenizer still honours the folder's class name.
+    assert type(AutoTokenizer.from_pretrained(tmp_path)).__name__ in ("PreTrainedTokenizerFast", "TokenizersBackend")
+
+
+def test_folders_that_name_the_needle_class_still_load_with_needle_hf(tmp_path, fast_tokenizer):
+    from transformers import AutoTokenizer
+
+    from needle_hf.tokenization_needle_fast import NeedleTokenizerFast
+
+    save_fast_tokenizer(fast_tokenizer, tmp_path)
+    config_path = tmp_path / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps(dict(config, tokenizer_class="NeedleTokenizerFast")))
+    assert type(AutoTokenizer.from_pretrained(tmp_path)) is NeedleTokenizerFast
 
 
 def test_check_vocab_matches_names_both_sizes(fast_tokenizer):

@@ -56,6 +56,8 @@ CHAT_MARKERS = (
     TOOL_CALL_START, TOOL_CALL_END, TOOL_RESULT_START, TOOL_RESULT_END,
 )
 FIRST_CHAT_MARKER_ID = 4
+#: The markers that only delimit turns and carry no answer text: hidden by `skip_special_tokens=True`.
+TURN_MARKERS = (IM_START, IM_END)
 #: What the template writes after a "<" of message text that would otherwise start a marker or a
 #: special token's text (or that is followed by this character already); the tokenizer's normaliser
 #: takes it out again after matching the markers, so message text is encoded as its own characters

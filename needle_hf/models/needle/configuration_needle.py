@@ -7,7 +7,14 @@ This file is also written next to saved weights as remote code for users who loa
 import json
 import math
 
+import transformers
 from transformers import PretrainedConfig
+
+TRANSFORMERS_MAJOR = int(transformers.__version__.split(".")[0])
+DEFAULT_ROPE_THETA = 100000.0
+DEFAULT_ROPE_TYPE = "default"
+# Written to every config.json whatever their value (transformers 5.x gives them no defaults).
+DECLARED_FIELDS = ("pad_token_id", "bos_token_id", "eos_token_id", "tie_word_embeddings")
 
 # Number of taps in each engram's dilated causal convolution (fixed by the architecture).
 ENGRAM_CONV_TAPS = 4
@@ -121,6 +128,25 @@ def _holds_non_finite(value) -> bool:
     return False
 
 
+def _rope_theta(rope_theta, rope_parameters) -> float:
+    """The RoPE base from either spelling: `rope_theta` (4.57) or `rope_parameters` (5.x)."""
+    if rope_parameters is not None:
+        if not isinstance(rope_parameters, dict):
+            raise ValueError(f"Invalid NeedleConfig: rope_parameters must be a dict, got {_shown(rope_parameters)}")
+        rope_type = rope_parameters.get("rope_type", rope_parameters.get("type", DEFAULT_ROPE_TYPE))
+        unknown = sorted(set(rope_parameters) - {"rope_type", "type", "rope_theta"})
+        if rope_type != DEFAULT_ROPE_TYPE or unknown:
+            raise ValueError(f"Invalid NeedleConfig: Needle uses plain RoPE (rope_type 'default', rope_theta only), "
+                             f"got rope_parameters {_shown(rope_parameters)}")
+        if rope_parameters.get("rope_theta") is not None:
+            theta = _real("rope_parameters['rope_theta']", rope_parameters["rope_theta"])
+            if rope_theta is not None and _real("rope_theta", rope_theta) != theta:
+                raise ValueError(f"Invalid NeedleConfig: rope_theta {rope_theta} and rope_parameters['rope_theta'] "
+                                 f"{theta} disagree")
+            return theta
+    return _real("rope_theta", DEFAULT_ROPE_THETA if rope_theta is None else rope_theta)
+
+
 def _flag(name, value) -> bool:
     if not isinstance(value, bool) and value not in (0, 1):
         raise ValueError(f"Invalid NeedleConfig: {name} must be true or false, got {_shown(value)}")
@@ -145,6 +171,10 @@ class NeedleConfig(PretrainedConfig):
         num_hidden_layers (`int`, *optional*, defaults to 27): Decoder layers.
         max_position_embeddings (`int`, *optional*, defaults to 2048): Longest sequence (`max_seq_len`).
         rope_theta (`float`, *optional*, defaults to 100000.0): RoPE base.
+        rope_parameters (`dict`, *optional*): transformers 5.x's spelling of the RoPE settings,
+            ``{"rope_type": "default", "rope_theta": float}`` (Needle has no RoPE scaling). Either
+            spelling is read on either version (both must agree when both are given); the config
+            keeps `rope_theta` and, on transformers 5.x, `rope_parameters`.
         rms_norm_eps (`float`, *optional*, defaults to 1e-6): Epsilon of every RMS normalisation.
         engram_orders (`tuple[int]`, *optional*, defaults to `(2, 3)`): n-gram orders hashed by the
             engram memory.
@@ -188,6 +218,13 @@ class NeedleConfig(PretrainedConfig):
         pad_token_id / bos_token_id / eos_token_id (`int`, *optional*, defaults to 0 / 2 / 1).
         tie_word_embeddings (`bool`, *optional*, defaults to `True`): Needle always ties the output head
             to the token embedding.
+            These four are set on the config itself and always written to config.json: transformers
+            5.x no longer gives them defaults.
+
+    Names transformers 5.x's cache and masks read (`layer_types`, `sliding_window`,
+    `attention_chunk_size`) are not Needle fields: Needle's window is `attention_window` (applied by
+    its own masks) and `kv_window` (deployment metadata), so a transformers cache built from this
+    config is a plain full-attention one.
         use_cache (`bool`, *optional*, defaults to `True`): Whether the forward returns (and `generate`
             decodes with) a KV cache when the call does not say.
     """
@@ -204,7 +241,7 @@ class NeedleConfig(PretrainedConfig):
         num_key_value_heads=4,
         num_hidden_layers=27,
         max_position_embeddings=2048,
-        rope_theta=100000.0,
+        rope_theta=None,
         rms_norm_eps=1e-6,
         engram_orders=(2, 3),
         engram_heads=0,
@@ -227,6 +264,7 @@ class NeedleConfig(PretrainedConfig):
         eos_token_id=1,
         tie_word_embeddings=True,
         use_cache=True,
+        rope_parameters=None,
         **kwargs,
     ):
         self.vocab_size = _integer("vocab_size", vocab_size, minimum=1)
@@ -236,7 +274,7 @@ class NeedleConfig(PretrainedConfig):
         self.num_key_value_heads = _integer("num_key_value_heads", num_key_value_heads, minimum=1)
         self.num_hidden_layers = _integer("num_hidden_layers", num_hidden_layers, minimum=1)
         self.max_position_embeddings = _integer("max_position_embeddings", max_position_embeddings, minimum=1)
-        self.rope_theta = _real("rope_theta", rope_theta)
+        self.rope_theta = _rope_theta(rope_theta, rope_parameters)
         self.rms_norm_eps = _real("rms_norm_eps", rms_norm_eps)
         self.engram_orders = _integers("engram_orders", engram_orders, minimum=1)
         self.engram_heads = _integer("engram_heads", engram_heads, minimum=0)
@@ -265,6 +303,9 @@ class NeedleConfig(PretrainedConfig):
         self.deploy_numerics = _flag("deploy_numerics", deploy_numerics)
         if not tie_word_embeddings:
             raise ValueError("Needle ties its output head to the token embedding: tie_word_embeddings must be True")
+        if TRANSFORMERS_MAJOR >= 5:
+            # Read by 5.x's PretrainedConfig.__init__, which fills in the theta from `self.rope_theta`.
+            self.rope_parameters = {"rope_type": DEFAULT_ROPE_TYPE, "rope_theta": self.rope_theta}
         super().__init__(
             pad_token_id=pad_token_id,
             bos_token_id=bos_token_id,
@@ -272,7 +313,18 @@ class NeedleConfig(PretrainedConfig):
             tie_word_embeddings=True,
             **kwargs,
         )
+        # Declared here, not left to PretrainedConfig (5.x no longer defaults them).
+        self.pad_token_id, self.bos_token_id, self.eos_token_id = pad_token_id, bos_token_id, eos_token_id
+        self.tie_word_embeddings = True
         self.validate_geometry()
+
+    def to_diff_dict(self) -> dict:
+        """`PretrainedConfig.to_diff_dict`, always with the token ids and `tie_word_embeddings` (which
+        4.57 leaves out when they equal its defaults, and 5.x has no defaults for)."""
+        diff = super().to_diff_dict()
+        for name in DECLARED_FIELDS:
+            diff[name] = getattr(self, name)
+        return diff
 
     # ----------------------------------------------------------------------------------------------
     # Derived geometry: the one place each derivation is written down.

@@ -45,6 +45,7 @@ from transformers.modeling_flax_utils import FlaxPreTrainedModel
 
 from .cache_flax_needle import LayerKVCache
 from .configuration_needle import NeedleConfig
+from .mtp_option import pop_mtp_option
 from .deploy_numerics_flax import (  # deploy numerics hooks
     quantize_activations,
     quantize_kv,
@@ -1406,17 +1407,15 @@ class FlaxNeedleForCausalLM(FlaxNeedlePreTrainedModel):
         return model_kwargs
 
     def generate(self, input_ids, generation_config=None, prng_key=None, trace: bool = True, params=None,
-                 logits_processor=None, *, use_mtp: Optional[bool] = None, **kwargs):
-        """`FlaxGenerationMixin.generate`; with ``use_mtp=True`` (argument or generation config), decoding
+                 logits_processor=None, **kwargs):
+        """`FlaxGenerationMixin.generate`; with ``use_mtp_head=True`` (argument or generation config), decoding
         with MTP self-speculation (`speculative_flax`): greedy gives the same tokens, sampling
         (``do_sample=True``, seeded by ``prng_key``) the same distribution, with fewer backbone
         forwards, returned as a `FlaxMTPGenerateOutput` (sequences and draft counts).
 
         Either way the layers run on `with_decoding_kernels` of the params (q, k, v and gate kernels
         concatenated once per call, one matmul per decoding step)."""
-        if use_mtp is None:
-            use_mtp = getattr(generation_config if generation_config is not None else self.generation_config,
-                              "use_mtp", None)
+        use_mtp = pop_mtp_option(kwargs, generation_config if generation_config is not None else self.generation_config)
         params = with_decoding_kernels(params if params is not None else self.params, self.config)
         if not use_mtp:
             return super().generate(input_ids, generation_config, prng_key, trace, params, logits_processor, **kwargs)

@@ -103,6 +103,7 @@ from .numerics import (
     walsh_factor_sizes,
     walsh_matrix,
 )
+from .mtp_option import pop_mtp_option
 from .speculative import mtp_generate, trim_to_max_length
 from .weight_names import NeedleWeightsError  # the one exception of both twins' strict loading
 
@@ -1407,7 +1408,7 @@ class NeedleForCausalLM(NeedlePreTrainedModel, GenerationMixin):
         return output if return_dict else output.to_tuple()
 
     def generate(self, inputs: Optional[torch.Tensor] = None, generation_config=None, **kwargs):
-        """`GenerationMixin.generate` (with ``use_mtp=True``, argument or generation config: greedy decoding
+        """`GenerationMixin.generate` (with ``use_mtp_head=True``, argument or generation config: decoding
         with MTP self-speculation, `speculative.mtp_generate`: the same tokens, fewer backbone forwards),
         on one intra-op thread on the CPU unless the user chose a count.
 
@@ -1448,9 +1449,7 @@ class NeedleForCausalLM(NeedlePreTrainedModel, GenerationMixin):
         return super()._valid_auto_compile_criteria(model_kwargs, generation_config)
 
     def _generate_with_drafts(self, inputs, generation_config, **kwargs):
-        use_mtp = kwargs.pop("use_mtp", None)
-        if use_mtp is None:
-            use_mtp = getattr(generation_config or self.generation_config, "use_mtp", None)
+        use_mtp = pop_mtp_option(kwargs, generation_config or self.generation_config)
         lookup = kwargs.get("prompt_lookup_num_tokens") or getattr(
             generation_config or self.generation_config, "prompt_lookup_num_tokens", None
         )
@@ -1464,7 +1463,7 @@ class NeedleForCausalLM(NeedlePreTrainedModel, GenerationMixin):
             return trim_to_max_length(output, limit)
         input_ids = inputs if inputs is not None else model_kwargs.pop("input_ids", None)
         if input_ids is None:
-            raise ValueError("use_mtp=True needs input_ids")
+            raise ValueError("use_mtp_head=True needs input_ids")
         return mtp_generate(self, input_ids, resolved, **model_kwargs)
 
     def prepare_inputs_for_generation(self, input_ids: torch.LongTensor, *args, **kwargs) -> dict:

@@ -17,8 +17,8 @@ its relative imports (`from .x import ...`) the same way, recursively. Hence:
     modeling_flax_needle.py (+ weight_names.py, numerics.py), which needs jax and flax, and are never looked
     at by a PyTorch load. So transformers 5 (no Flax) loads the PyTorch classes from a folder that
     also carries the Flax file;
-  * the tokenizer's class (`NeedleTokenizerFast`, tokenization_needle_fast.py + chat_template.py)
-    is shipped by the tokenizer's own `save_pretrained`, mapped in tokenizer_config.json's `auto_map`.
+  * the tokenizer needs no code: tokenizer_config.json names transformers' `PreTrainedTokenizerFast`
+    (see `tokenization_needle.save_fast_tokenizer`).
 
 Which files are copied is derived from `AUTO_MAP` and the files' own relative imports (parsed with
 transformers' own `get_relative_import_files`), so adding an import to a model file ships the

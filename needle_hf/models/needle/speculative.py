@@ -1,4 +1,4 @@
-"""MTP self-speculative decoding for the PyTorch Needle model (`generate(..., use_mtp=True)`).
+"""MTP self-speculative decoding for the PyTorch Needle model (`generate(..., use_mtp_head=True)`).
 
 Needle's multi-token-prediction head reads the backbone's hidden state at ``t`` and the embedding of
 token ``t + 1`` and predicts token ``t + 2``. Each step of the loop below feeds the backbone two
@@ -43,7 +43,7 @@ from transformers import DynamicCache, LogitsProcessorList
 
 @dataclasses.dataclass
 class MTPGenerateOutput:
-    """`generate(use_mtp=True, return_dict_in_generate=True)`.
+    """`generate(use_mtp_head=True, return_dict_in_generate=True)`.
 
     sequences: [B, T] prompt and generated ids (padded with pad_token_id after EOS, as `generate`).
     drafted: steps that carried a draft token; accepted: steps whose draft every row kept.
@@ -133,21 +133,21 @@ class _Decoder:
 
 def _refuse_unsupported(model, generation_config, kwargs: dict):
     if model.mtp is None:
-        raise ValueError("use_mtp=True needs the MTP head (config.use_mtp_head is False)")
+        raise ValueError("use_mtp_head=True needs the MTP head (config.use_mtp_head is False)")
     checks = {
         "num_beams": (generation_config.num_beams, 1),
         "num_return_sequences": (generation_config.num_return_sequences, 1),
     }
     for name, (found, expected) in checks.items():
         if found not in (expected, None):
-            raise ValueError(f"use_mtp=True decodes one sequence per prompt: {name} must be {expected}, got {found}")
+            raise ValueError(f"use_mtp_head=True decodes one sequence per prompt: {name} must be {expected}, got {found}")
     for name in ("logits_processor", "stopping_criteria", "assistant_model", "prompt_lookup_num_tokens",
                  "streamer", "past_key_values", "cache"):
         if kwargs.get(name) is not None and kwargs.get(name) != []:
-            raise ValueError(f"use_mtp=True does not take {name}")
+            raise ValueError(f"use_mtp_head=True does not take {name}")
     unknown = set(kwargs) - {"attention_mask", "attention_window", "logits_processor", "stopping_criteria"}
     if unknown:
-        raise ValueError(f"use_mtp=True: unsupported generate arguments {sorted(unknown)}")
+        raise ValueError(f"use_mtp_head=True: unsupported generate arguments {sorted(unknown)}")
 
 
 @torch.no_grad()

@@ -1,4 +1,4 @@
-"""MTP self-speculative decoding for the Flax Needle model (`generate(..., use_mtp=True)`).
+"""MTP self-speculative decoding for the Flax Needle model (`generate(..., use_mtp_head=True)`).
 
 The scheme of `speculative.py` (the PyTorch twin), as one `lax.while_loop` that traces under
 `jax.jit`: each step feeds the backbone the last token ``x`` and the MTP head's draft ``d``; the
@@ -39,7 +39,7 @@ from .cache_flax_needle import LayerKVCache
 
 @flax.struct.dataclass
 class FlaxMTPGenerateOutput:
-    """`generate(use_mtp=True)` of the Flax model.
+    """`generate(use_mtp_head=True)` of the Flax model.
 
     sequences: [B, max_length] prompt and generated ids (pad_token_id after EOS, as `generate`).
     drafted: steps whose draft could be kept (the last step, with room for one token, cannot);
@@ -88,17 +88,17 @@ def _forget_second_token(after: dict, before: dict, kept) -> dict:
 
 def resolve_generation(model, input_ids, generation_config, logits_processor, kwargs: dict):
     """(max_length, eos id or None, pad id, logits processor list, logits warper list or None when
-    greedy, attention_mask or None) of a `generate(use_mtp=True)` call, as
+    greedy, attention_mask or None) of a `generate(use_mtp_head=True)` call, as
     `FlaxGenerationMixin.generate` resolves them; refuses what this path would ignore."""
     if not model.config.use_mtp_head:
-        raise ValueError("use_mtp=True needs the MTP head (config.use_mtp_head is False)")
+        raise ValueError("use_mtp_head=True needs the MTP head (config.use_mtp_head is False)")
     config = copy.deepcopy(generation_config if generation_config is not None else model.generation_config)
     model_kwargs = config.update(**kwargs)
     unknown = set(model_kwargs) - {"attention_mask"}
     if unknown:
-        raise ValueError(f"use_mtp=True: unsupported generate arguments {sorted(unknown)}")
+        raise ValueError(f"use_mtp_head=True: unsupported generate arguments {sorted(unknown)}")
     if config.num_beams not in (1, None):
-        raise ValueError(f"use_mtp=True decodes one sequence per prompt: num_beams must be 1, got {config.num_beams}")
+        raise ValueError(f"use_mtp_head=True decodes one sequence per prompt: num_beams must be 1, got {config.num_beams}")
     prompt_length = input_ids.shape[1]
     max_length = prompt_length + config.max_new_tokens if config.max_new_tokens is not None else config.max_length
     eos = config.eos_token_id

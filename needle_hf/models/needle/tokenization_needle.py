@@ -5,8 +5,9 @@ user-defined symbols (ids 4-13), byte fallback, identity normalisation, extra wh
 a dummy-prefix space. This module rebuilds it as a `tokenizers.Tokenizer` that gives the same ids
 as `sentencepiece` and wraps it in `NeedleTokenizerFast` (a `transformers.PreTrainedTokenizerFast`
 that hides the turn markers when decoding with `skip_special_tokens=True`; see
-`tokenization_needle_fast`). A saved folder ships that class's code, so it loads with `AutoTokenizer`
-with this package installed, or with `trust_remote_code=True` without it.
+`tokenization_needle_fast`). A saved folder names the plain `PreTrainedTokenizerFast`, so
+`AutoTokenizer` loads it without this package and without remote code, with the chat template,
+the special tokens and (for transformers 5.13+) the `response_template` that parses answers.
 
 The source is either a SentencePiece `.model` file or the piece table stored in a reference
 `.cact` export (pieces, scores and piece types). Both go through one `PieceTable`.
@@ -16,10 +17,11 @@ How SentencePiece's behaviour maps onto the `tokenizers` pipeline:
     collapsed or stripped (remove_extra_whitespaces=False) and no Unicode normalisation runs.
   - Chat markers: added tokens matched *after* normalisation (`normalized=True`), so the dummy
     prefix lands in front of the whole text even when it starts with a marker ("▁" then
-    "<|im_start|>"), as SentencePiece's user-defined symbols do. They are not flagged special:
-    like user-defined symbols they are text, so `decode(..., skip_special_tokens=True)` keeps
-    them (the tool-call parser needs them), except the turn markers `<|im_start|>` and
-    `<|im_end|>`, which `NeedleTokenizerFast` drops by id. One difference remains: a text that is exactly one
+    "<|im_start|>"), as SentencePiece's user-defined symbols do. Like user-defined symbols they are
+    text, so `decode(..., skip_special_tokens=True)` keeps them (the tool-call parser needs them),
+    except the turn markers `<|im_start|>` and `<|im_end|>`, flagged special (which hides them under
+    tokenizers 0.22) and dropped by id in `NeedleTokenizerFast` (which hides them under 0.23 too;
+    see `tokenization_needle_fast`). One difference remains: a text that is exactly one
     marker and nothing else encodes as that marker alone, without SentencePiece's leading "▁"
     (see `NeedleTokenizerConverter.normalizer`).
   - pad/eos/bos/unk are the special tokens. As in every transformers SentencePiece tokenizer,
@@ -49,7 +51,8 @@ from collections.abc import Mapping
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, processors
 
-from .chat_template import CHAT_MARKERS, FIRST_CHAT_MARKER_ID, MESSAGE_TEXT_ESCAPE, NEEDLE_CHAT_TEMPLATE
+from .chat_template import CHAT_MARKERS, FIRST_CHAT_MARKER_ID, MESSAGE_TEXT_ESCAPE, NEEDLE_CHAT_TEMPLATE, TURN_MARKERS
+from .response_template import RESPONSE_TEMPLATE
 
 PAD_ID, EOS_ID, BOS_ID, UNK_ID = 0, 1, 2, 3
 SPACE_SYMBOL = "\u2581"  # "▁", SentencePiece's escaped space
@@ -57,7 +60,8 @@ SPACE_SYMBOL = "\u2581"  # "▁", SentencePiece's escaped space
 # " <marker>") can never be spelled by message text.
 MARKER_MATCH_PREFIX = " "
 NUM_BYTE_PIECES = 256
-_TOKENIZER_CLASS = "NeedleTokenizerFast"
+# What a saved folder names: transformers' own class, so loading it needs neither needle_hf nor remote code.
+_TOKENIZER_CLASS = "PreTrainedTokenizerFast"
 
 
 class PieceType(enum.IntEnum):
@@ -325,8 +329,8 @@ class NeedleTokenizerConverter:
         return [AddedToken(self.table.pieces[index], normalized=False, special=True) for index in ids]
 
     def user_defined_tokens(self):
-        """The chat markers: matched after normalisation, decoded as text (not special)."""
-        return [AddedToken(piece, normalized=True, special=False) for piece in self.user_defined_pieces()]
+        """The chat markers: matched after normalisation, decoded as text; the turn markers flagged special."""
+        return [AddedToken(piece, normalized=True, special=piece in TURN_MARKERS) for piece in self.user_defined_pieces()]
 
     def converted(self) -> Tokenizer:
         tokenizer = Tokenizer(self.model())
@@ -378,9 +382,8 @@ def build_fast_tokenizer(source, *, model_max_length=None, chat_template=NEEDLE_
 
     Returns:
         A `NeedleTokenizerFast` that encodes like SentencePiece with BOS prepended, with the
-        pad/eos/bos/unk tokens set and the chat template attached. `save_pretrained` writes a
-        folder that `AutoTokenizer.from_pretrained` reloads (with needle_hf imported, or with
-        `trust_remote_code=True`).
+        pad/eos/bos/unk tokens set, the chat template and `response_template` attached. Save it
+        with `save_fast_tokenizer`, which writes a folder `AutoTokenizer` loads without remote code.
     """
     from .tokenization_needle_fast import NeedleTokenizerFast
 
@@ -388,7 +391,7 @@ def build_fast_tokenizer(source, *, model_max_length=None, chat_template=NEEDLE_
     if chat_template == NEEDLE_CHAT_TEMPLATE:
         _check_prompt_target_boundary(table)
     extra = {} if model_max_length is None else {"model_max_length": int(model_max_length)}
-    return NeedleTokenizerFast(
+    tokenizer = NeedleTokenizerFast(
         tokenizer_object=NeedleTokenizerConverter(table).converted(),
         bos_token=table.pieces[table.bos_id],
         eos_token=table.pieces[table.eos_id],
@@ -402,33 +405,41 @@ def build_fast_tokenizer(source, *, model_max_length=None, chat_template=NEEDLE_
         padding_side="left",
         **extra,
     )
+    # An attribute on 4.57 too (where nothing reads it), so both versions save and compare the same tokenizer.
+    tokenizer.response_template = RESPONSE_TEMPLATE
+    return tokenizer
 
 
 def save_fast_tokenizer(tokenizer, save_directory):
-    """`save_pretrained` the tokenizer so transformers 4.x and 5.x both reload it as `NeedleTokenizerFast`.
+    """`save_pretrained` the tokenizer as a folder transformers 4.57 and 5.x load with no remote code.
 
-    `save_pretrained` names the class in tokenizer_config.json (`tokenizer_class`, `auto_map`) and
-    copies its code beside (see `tokenization_needle_fast`); the name is checked here so that a
-    transformers release that spells it differently still writes the one both versions look up.
+    tokenizer_config.json names `PreTrainedTokenizerFast` (whatever class name the release writes,
+    and no `auto_map`), and holds the `response_template` (read by transformers 5.13+). The chat
+    template, the special tokens and the turn markers' special flag travel as `save_pretrained`
+    writes them. (transformers 5.x's own `save_pretrained` of a plain fast tokenizer names
+    `TokenizersBackend`, a class 4.57 does not have: save through here to keep a folder both load.)
 
     Args:
-        tokenizer: a `NeedleTokenizerFast`, as `build_fast_tokenizer` returns it.
+        tokenizer: the Needle tokenizer as a fast tokenizer: `build_fast_tokenizer`'s
+            `NeedleTokenizerFast`, or a folder's tokenizer loaded with `AutoTokenizer`.
         save_directory: the folder to write.
 
     Returns:
         The paths of the written files, as `save_pretrained` returns them.
     """
-    from .tokenization_needle_fast import NeedleTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
-    if not isinstance(tokenizer, NeedleTokenizerFast):
-        raise TypeError(f"save_fast_tokenizer: expected a NeedleTokenizerFast (build_fast_tokenizer builds one), "
+    if not isinstance(tokenizer, PreTrainedTokenizerFast):
+        raise TypeError(f"save_fast_tokenizer: expected a fast tokenizer (build_fast_tokenizer builds one), "
                         f"got {type(tokenizer).__name__}")
     written = tokenizer.save_pretrained(save_directory)
     config_path = os.path.join(save_directory, "tokenizer_config.json")
     with open(config_path, encoding="utf-8") as handle:
         config = json.load(handle)
-    if config.get("tokenizer_class") != _TOKENIZER_CLASS:
-        config["tokenizer_class"] = _TOKENIZER_CLASS
+    wanted = dict(config, tokenizer_class=_TOKENIZER_CLASS, response_template=RESPONSE_TEMPLATE)
+    wanted.pop("auto_map", None)
+    if wanted != config:
+        config = wanted
         with open(config_path, "w", encoding="utf-8") as handle:
             json.dump(config, handle, indent=2, ensure_ascii=False, allow_nan=False)
             handle.write("\n")
@@ -479,10 +490,11 @@ def check_vocab_matches(tokenizer, vocab_size, *, source="the model config"):
 
 
 def register_tokenizer_class():
-    """Let `AutoTokenizer` load Needle folders as `NeedleTokenizerFast` (transformers 4.57 and 5.x).
+    """Map `NeedleConfig` to `NeedleTokenizerFast` in `AutoTokenizer` (transformers 4.57 and 5.x).
 
-    Saved folders name the class in tokenizer_config.json; transformers finds a class of that name
-    among the registered ones, so importing needle_hf is enough (no `trust_remote_code`).
+    Folders written by `save_fast_tokenizer` name `PreTrainedTokenizerFast`, which `AutoTokenizer`
+    honours; the mapping serves folders without a `tokenizer_class` and older folders that name
+    `NeedleTokenizerFast` (found among the registered classes, no `trust_remote_code`).
     """
     from transformers import AutoTokenizer
 

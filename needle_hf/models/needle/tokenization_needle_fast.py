@@ -1,4 +1,4 @@
-"""`NeedleTokenizerFast`: the Needle fast tokenizer class, turn markers hidden by `skip_special_tokens`.
+"""`NeedleTokenizerFast`: the Needle fast tokenizer, turn markers hidden by `skip_special_tokens` on every tokenizers.
 
 Needle's ten chat markers are added tokens that decode as text, because the tool-call parsers read
 `<tool_call>`, `</tool_call>`, `<think>` and `</think>` out of the decoded answer. The two turn
@@ -8,24 +8,23 @@ should end where the turn ends, without the marker. `decode` with `skip_special_
 them here, by id, besides the pad/eos/bos/unk tokens; with `skip_special_tokens=False` every id
 decodes as written.
 
-Why by id and not by flagging them `special` in tokenizer.json: the markers are matched after
-normalisation (see `tokenization_needle.NeedleTokenizerConverter.normalizer`), and tokenizers 0.23
-looks a decoded token's special flag up by its normalised spelling (" <|im_end|>"), which is not
-the spelling it stored, so the flag works under tokenizers 0.22 (transformers 4.57) and not under
-0.23 (transformers 5.x). Filtering the ids before the library decodes gives both the same text.
+The turn markers are also flagged `special` in tokenizer.json, which is enough under tokenizers 0.22
+(transformers 4.57): a plain `PreTrainedTokenizerFast` hides them too. Under tokenizers 0.23
+(transformers 5.x) the flag does not take: the markers are matched after normalisation (see
+`tokenization_needle.NeedleTokenizerConverter.normalizer`), 0.23 reports a normalised added token
+by its normalised spelling (" <|im_end|>") and looks the special flag up by that spelling, which is
+not the one it stored. No declaration fixes that without giving up the normalised match the
+dummy prefix and the message-text escape need, so this class filters the ids before the library
+decodes; on 5.x the `response_template` (see `response_template`) parses the answer whatever the
+decode keeps.
 
-Saved folders name this class (`tokenizer_class` and `auto_map` in tokenizer_config.json, with this
-file and `chat_template.py` beside it): `AutoTokenizer` loads it with needle_hf installed, or with
-`trust_remote_code=True` without it. This file imports only transformers and `chat_template`, so
-it runs from a saved folder.
+Saved folders name the plain `PreTrainedTokenizerFast` (no remote code for tools that only
+tokenize); load this class with `NeedleTokenizerFast.from_pretrained(folder)` after importing needle_hf.
 """
 
 from transformers import PreTrainedTokenizerFast
 
-from .chat_template import IM_END, IM_START
-
-#: The markers `decode(..., skip_special_tokens=True)` hides: they delimit turns and carry no answer text.
-TURN_MARKERS = (IM_START, IM_END)
+from .chat_template import TURN_MARKERS
 
 
 class NeedleTokenizerFast(PreTrainedTokenizerFast):
@@ -34,9 +33,6 @@ class NeedleTokenizerFast(PreTrainedTokenizerFast):
     Encoding, the vocabulary, the chat template and `skip_special_tokens=False` decoding are those
     of the plain fast tokenizer built by `tokenization_needle.build_fast_tokenizer`.
     """
-
-    # Written into tokenizer_config.json's `auto_map` by `save_pretrained`, which also copies this file.
-    _auto_class = "AutoTokenizer"
 
     def turn_marker_ids(self) -> frozenset:
         """The ids of `TURN_MARKERS` in this vocabulary (those it has)."""
