@@ -181,8 +181,12 @@ def rank_tools(model, tokenizer, query: str, tools: Sequence[dict], *, top_k: Op
     return [RankedTool(tools[i], i, float(similarity[i]), float(probability[i])) for i in order]
 
 
+# Rows normalised in bfloat16 are within ~1e-2 of unit length.
+_UNIT_NORM_TOLERANCE = 2e-2
+
+
 def _check_tool_embeddings(embeddings, rows: int, width: int) -> torch.Tensor:
-    """Precomputed catalogue embeddings: a finite float tensor [rows, width]."""
+    """Precomputed catalogue embeddings: a finite float tensor [rows, width] of unit rows (as `embed_tools` gives)."""
     if not isinstance(embeddings, torch.Tensor):
         raise ToolRoutingError(f"tool_embeddings: expected a torch.Tensor [{rows}, {width}] (embed_tools), "
                                f"found {type(embeddings).__name__}")
@@ -194,6 +198,12 @@ def _check_tool_embeddings(embeddings, rows: int, width: int) -> torch.Tensor:
     if not bool(torch.isfinite(embeddings).all()):
         bad = int((~torch.isfinite(embeddings)).any(dim=-1).nonzero()[0, 0])
         raise ToolRoutingError(f"tool_embeddings: expected finite values, found NaN or infinity in row {bad}")
+    norms = torch.linalg.vector_norm(embeddings.float(), dim=-1)
+    off = (norms - 1).abs() > _UNIT_NORM_TOLERANCE
+    if bool(off.any()):
+        row = int(off.nonzero()[0, 0])
+        raise ToolRoutingError(f"tool_embeddings: expected L2-normalised rows (embed_tools), found norm "
+                               f"{float(norms[row]):.4g} in row {row}")
     return embeddings.float()
 
 

@@ -179,6 +179,8 @@ LONG_TOOL = _tool("long_tool", "word " * 1500, value="string")
      r"tool_embeddings: expected shape \(5, 16\)"),
     (lambda m, t: rank_tools(m, t, QUERY, CATALOGUE, tool_embeddings=torch.full((5, 16), float("nan"))),
      r"tool_embeddings: expected finite values, found NaN or infinity in row 0"),
+    (lambda m, t: rank_tools(m, t, QUERY, CATALOGUE, tool_embeddings=torch.full((5, 16), 0.5)),
+     r"tool_embeddings: expected L2-normalised rows \(embed_tools\), found norm 2 in row 0"),
     (lambda m, t: rank_tools(m, t, QUERY, CATALOGUE, tool_embeddings=torch.zeros(5, 16, dtype=torch.long)),
      r"tool_embeddings: expected a float tensor"),
     (lambda m, t: rank_tools(m, t, QUERY, CATALOGUE, tool_embeddings=[[0.0] * 16] * 5),
