@@ -65,6 +65,24 @@ def _excerpt(value) -> str:
     return text if len(text) <= _EXCERPT_CHARS else text[:_EXCERPT_CHARS] + "..."
 
 
+def checked_option(name: str, value, *, low: float, low_inclusive: bool = True, high: Optional[float] = None,
+                   high_inclusive: bool = True, integer: bool = False):
+    """A numeric fine-tuning option, checked: a (finite) number, an int when ``integer``, in its range.
+
+    Raises ValueError naming the option, the range expected and the value found.
+    """
+    kinds = (int, np.integer) if integer else (int, float, np.integer, np.floating)
+    valid = not isinstance(value, bool) and isinstance(value, kinds) and math.isfinite(value)
+    valid = valid and (value >= low if low_inclusive else value > low)
+    valid = valid and (high is None or (value <= high if high_inclusive else value < high))
+    if not valid:
+        kind = "an int" if integer else "a finite number"
+        bound = f"{'>=' if low_inclusive else '>'} {low}"
+        bound += "" if high is None else f" and {'<=' if high_inclusive else '<'} {high}"
+        raise ValueError(f"{name}: expected {kind} {bound}, found {_excerpt(value)}")
+    return int(value) if integer else float(value)
+
+
 def _compact_json(value) -> str:
     """JSON the way the Needle prompt writes it: separators "," and ":", non-ASCII kept, key order kept."""
     return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
