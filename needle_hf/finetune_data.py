@@ -31,7 +31,16 @@ does that for a whole dataset and adds the ``labels`` (-100 outside the mask) th
 `needle_causal_lm_loss` read. `NeedlePaddingCollator` pads a batch to its longest row, on the right
 as the reference does.
 
-Every problem in a file is reported as `FinetuneDataError` naming the file, line and field.
+Every problem in a file is reported as `FinetuneDataError` naming the file, line and field. What
+a file must be, beyond the field types:
+  - UTF-8 lines (a byte-order mark only at the very start; blank lines and ``\r\n`` endings are
+    fine), each one JSON object with no repeated key and only the fields above;
+  - numbers finite (no NaN, Infinity or 1e999) of at most 400 characters, nesting at most 64 levels,
+    text without lone surrogates: the bounds of `parse_tool_calls`, so nothing is trained that the
+    parser would refuse to read back;
+  - every tool named (a non-empty string), no name offered twice in an example, every call naming an
+    offered tool with a JSON object of arguments, and the target (reasoning and calls, as the chat
+    template writes them) reading back through `parse_assistant_turn` as exactly those calls.
 """
 
 from __future__ import annotations

@@ -17,6 +17,11 @@ bare schema)`` (``{"name","description","parameters"}``, the form the chat templ
 `NeedleToolCaller` puts the three steps together: route, answer (optionally grammar-constrained),
 score and defer.
 
+Bad inputs raise `ToolRoutingError` naming the field with what was expected and found: a catalogue
+that is not a list of named schemas with unique names (a dict, a string, an empty list to rank),
+a text longer than ``max_position_embeddings`` tokens, precomputed embeddings that are not a
+finite float tensor [N, C] of unit rows, a ``top_k`` that is not a positive int.
+
 Axis letters: B batch, T tokens, C contrastive width, N tools.
 """
 
