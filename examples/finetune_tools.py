@@ -33,6 +33,10 @@ import sys
 from pathlib import Path
 
 
+class UsageError(Exception):
+    """Bad arguments or input files: reported as one line, before anything is written."""
+
+
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("base", type=Path, help="Needle Hugging Face folder to fine-tune")
@@ -52,12 +56,97 @@ def parse_args(argv):
     parser.add_argument("--cact", type=Path, metavar="OUT.cact",
                         help="also build the merged folder's .cact for the on-device engine (as `needle-hf build`)")
     parser.add_argument("--demo-data", type=int, metavar="N",
-                        help="first write N synthetic demo examples (needle_hf.demo.data) to the data path")
+                        help="first write N synthetic demo examples (needle_hf.demo.data) to the data path "
+                             "(an existing file is reused only if it holds exactly those examples)")
     return parser.parse_args(argv)
+
+
+def check_args(args) -> None:
+    """Every option in its range, the base a folder, and no output equal to, inside or around an input."""
+    ranges = [
+        ("--rank", args.rank, args.rank >= 1, "an int >= 1"),
+        ("--alpha", args.alpha, math.isfinite(args.alpha) and args.alpha > 0, "a finite number > 0"),
+        ("--epochs", args.epochs, math.isfinite(args.epochs) and args.epochs > 0, "a finite number > 0"),
+        ("--learning-rate", args.learning_rate, math.isfinite(args.learning_rate) and args.learning_rate > 0,
+         "a finite number > 0"),
+        ("--batch-size", args.batch_size, args.batch_size >= 1, "an int >= 1"),
+        ("--max-length", args.max_length, args.max_length >= 2, "an int >= 2"),
+        ("--mtp-loss-weight", args.mtp_loss_weight, math.isfinite(args.mtp_loss_weight) and args.mtp_loss_weight >= 0,
+         "a finite number >= 0"),
+        ("--held-out", args.held_out, 0 <= args.held_out < 1, "a share in [0, 1)"),
+        ("--seed", args.seed, 0 <= args.seed < 2**32, "an int in [0, 2**32)"),
+        ("--threads", args.threads, args.threads >= 1, "an int >= 1"),
+        ("--demo-data", args.demo_data, args.demo_data is None or args.demo_data >= 1, "an int >= 1"),
+    ]
+    for flag, value, good, expected in ranges:
+        if not good:
+            raise UsageError(f"{flag}: expected {expected}, found {value}")
+    if not (args.base / "config.json").is_file():
+        raise UsageError(f"{args.base}: not a Needle folder (no config.json); expected the output of `needle-hf convert`")
+    if args.data.exists() and not args.data.is_file():
+        raise UsageError(f"{args.data}: not a file; expected a fine-tuning JSONL file")
+    written = [args.out / "adapter", args.out / "merged", args.out / "checkpoints"] + ([args.cact] if args.cact else [])
+    for output in written:
+        for name, source in (("base", args.base), ("data", args.data)):
+            a, b = output.resolve(), source.resolve()
+            if a == b or a in b.parents or b in a.parents:
+                raise UsageError(f"{output}: the output would overlap the {name} input {source}; "
+                                 "choose an output outside the inputs")
+    if args.out.exists() and not args.out.is_dir():
+        raise UsageError(f"{args.out}: a file; expected an output folder")
+    if args.cact is not None and args.cact.is_dir():
+        raise UsageError(f"{args.cact}: a folder; expected a .cact file path")
+
+
+def write_demo_data(path: Path, count: int, *, seed: int) -> None:
+    """Write the demo examples to ``path``; an existing file is kept only if it holds exactly them."""
+    import os
+    import tempfile
+
+    from needle_hf.demo.data import write_demo_jsonl
+
+    handle, staging = tempfile.mkstemp(prefix=".demo-", suffix=".jsonl", dir=path.parent if path.parent.is_dir() else None)
+    os.close(handle)
+    try:
+        write_demo_jsonl(staging, count, seed=seed)
+        if path.exists():
+            if Path(staging).read_bytes() != path.read_bytes():
+                raise UsageError(f"{path}: exists and holds other data; --demo-data never overwrites a file "
+                                 "(remove it or choose another data path)")
+            print(f"{path} already holds the {count} synthetic demo examples")
+            return
+        if not path.parent.is_dir():
+            raise UsageError(f"{path.parent}: no such folder for the data file")
+        os.replace(staging, path)
+        print(f"wrote {count} synthetic demo examples to {path}")
+    finally:
+        if os.path.exists(staging):
+            os.remove(staging)
 
 
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        return run(args)
+    except UsageError as error:
+        print(f"finetune_tools: error: {error}", file=sys.stderr)
+        return 1
+
+
+def run(args) -> int:
+    check_args(args)
+    from needle_hf.finetune.data import FinetuneDataError, load_finetune_dataset
+
+    if args.demo_data:
+        write_demo_data(args.data, args.demo_data, seed=args.seed)
+    try:
+        dataset = load_finetune_dataset(args.data)
+    except FinetuneDataError as error:
+        raise UsageError(error) from None
+    if args.held_out > 0 and (math.ceil(args.held_out * len(dataset)) >= len(dataset)):
+        raise UsageError(f"{args.data}: {len(dataset)} example(s) leave none to train on after holding out "
+                         f"--held-out {args.held_out}; add examples or pass --held-out 0")
+
     import torch
     from transformers import AutoTokenizer
     from trl import SFTConfig
@@ -68,14 +157,20 @@ def main(argv=None) -> int:
     from needle_hf.finetune.trainer_trl import NeedleSFTTrainer
     from needle_hf.models.needle.modeling_needle import NeedleForCausalLM
 
-    if args.demo_data:
-        write_demo_jsonl(args.data, args.demo_data, seed=args.seed)
-        print(f"wrote {args.demo_data} synthetic demo examples to {args.data}")
     try:
-        dataset = load_finetune_dataset(args.data)
-    except FinetuneDataError as error:
-        print(f"finetune_tools: error: {error}", file=sys.stderr)
-        return 1
+        model = NeedleForCausalLM.from_pretrained(args.base, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(args.base)
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise UsageError(f"{args.base}: not a loadable Needle folder ({reason})") from None
+    if args.mtp_loss_weight > 0 and not model.config.use_mtp_head:
+        raise UsageError(f"--mtp-loss-weight: {args.base} has no MTP head (config.json use_mtp_head is false); "
+                         "expected 0")
+    limit = model.config.max_position_embeddings
+    if args.max_length > limit:
+        raise UsageError(f"--max-length: expected at most the model's max_position_embeddings ({limit}), "
+                         f"found {args.max_length}")
+
     split = dataset.train_test_split(test_size=args.held_out, seed=args.seed) if args.held_out > 0 else None
     train, held_out = (split["train"], split["test"]) if split else (dataset, None)
     print(f"{len(train)} training examples, {len(held_out) if held_out else 0} held out")
@@ -84,8 +179,6 @@ def main(argv=None) -> int:
     # Warm-up over the first 5% of the steps, as the reference (a step count: transformers 5 has no warmup_ratio).
     total_steps = math.ceil(len(train) / args.batch_size) * args.epochs
     warmup_steps = max(1, int(total_steps) // 20)
-    model = NeedleForCausalLM.from_pretrained(args.base, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(args.base)
     trainer = NeedleSFTTrainer(
         model=model,
         args=SFTConfig(
@@ -115,7 +208,10 @@ def main(argv=None) -> int:
         return 0
     from needle_hf.conversion.build import build_cact
 
-    print(build_cact(args.out / "merged", args.cact, overwrite=True, progress=print).summary())
+    try:
+        print(build_cact(args.out / "merged", args.cact, overwrite=True, progress=print).summary())
+    except (OSError, ValueError) as error:
+        raise UsageError(f"{args.cact}: not built ({error})") from None
     return 0
 
 

@@ -94,6 +94,10 @@ def make_demo_examples(count: int, *, seed: int, split: Optional[str] = None) ->
     """
     if split not in (None, "train", "held_out"):
         raise ValueError(f"split: expected None, 'train' or 'held_out', got {split!r}")
+    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+        raise ValueError(f"count: expected an int >= 0, got {count!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"seed: expected an int, got {seed!r}")
     rng = random.Random(seed)
     examples = []
     while len(examples) < count:
@@ -159,8 +163,15 @@ def corrupt_demo_answers(example: dict, rng: random.Random) -> list[dict]:
 
 def write_demo_jsonl(path, count: int, *, seed: int) -> Path:
     """Write ``count`` demo examples to a fine-tuning JSONL file and return its path."""
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise ValueError(f"count: expected an int >= 1, got {count!r}")
+    examples = make_demo_examples(count, seed=seed)
     path = Path(path)
+    if not path.parent.is_dir():
+        raise ValueError(f"{path}: its folder {path.parent} does not exist")
+    if path.is_dir():
+        raise ValueError(f"{path}: a folder; expected a file path")
     with path.open("w", encoding="utf-8") as handle:
-        for example in make_demo_examples(count, seed=seed):
+        for example in examples:
             handle.write(json.dumps(example, ensure_ascii=False, allow_nan=False) + "\n")
     return path

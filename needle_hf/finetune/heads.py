@@ -26,12 +26,14 @@ Axis letters: B batch, T tokens, C contrastive width, N tools.
 
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from .data import IGNORE_INDEX, NeedlePaddingCollator, example_to_conversation, encode_conversation
+from .data import IGNORE_INDEX, FinetuneDataError, NeedlePaddingCollator, example_to_conversation, encode_conversation
 
 
 def contrastive_loss(
@@ -61,9 +63,9 @@ def turn_ids(tokenizer, example: dict) -> list[int]:
     """Ids of one turn as `NeedleToolCaller` scores it: ``[BOS] + prompt + answer`` (no EOS).
 
     ``example`` is a fine-tuning example {"query", "tools", "answers"} whose answers are the ones to
-    score (right or wrong).
+    score (right or wrong); a wrong answer may call a tool the example does not offer.
     """
-    conversation = example_to_conversation(example)
+    conversation = example_to_conversation(example, offered_tools_only=False)
     ids, _ = encode_conversation(tokenizer, conversation["messages"], conversation["tools"])
     return ids[:-1] if ids and ids[-1] == tokenizer.eos_token_id else ids
 
@@ -82,6 +84,14 @@ class ConfidenceRowsCollator:
         self.padding = NeedlePaddingCollator(pad_token_id=pad_token_id)
 
     def __call__(self, rows: list[dict]) -> dict:
+        if not isinstance(rows, list) or not rows:
+            raise FinetuneDataError(f"rows: expected a non-empty list of rows, found {rows!r:.60}")
+        for index, row in enumerate(rows):
+            if not isinstance(row, dict) or not all(key in row for key in ("input_ids", "labels")):
+                raise FinetuneDataError(f"rows[{index}]: expected a dict with 'input_ids', 'labels' and optionally "
+                                        f"'wrong_input_ids', found {row!r:.60}")
+            if not row["input_ids"]:
+                raise FinetuneDataError(f"rows[{index}]: 'input_ids' is empty; expected a tokenized training row")
         wrong = [row["wrong_input_ids"] for row in rows if row.get("wrong_input_ids")]
         batch = self.padding([{"input_ids": row["input_ids"], "labels": row["labels"]} for row in rows]
                              + [{"input_ids": ids, "labels": [IGNORE_INDEX] * len(ids)} for ids in wrong])
@@ -152,6 +162,30 @@ def head_losses(
     return contrastive, confidence_loss(logits, torch.tensor(list(labels)))
 
 
+def _check_rows(field: str, rows, vocab_size: int) -> None:
+    """Rows of token ids: a non-empty list of non-empty int lists, every id in [0, vocab_size)."""
+    if isinstance(rows, (str, bytes)) or not isinstance(rows, Sequence) or not rows:
+        found = "an empty list" if isinstance(rows, Sequence) and not rows else type(rows).__name__
+        raise ValueError(f"{field}: expected a non-empty list of token id lists, found {found}")
+    for index, row in enumerate(rows):
+        if isinstance(row, (str, bytes)) or not isinstance(row, Sequence) or not row:
+            raise ValueError(f"{field}[{index}]: expected a non-empty list of token ids, found {row!r:.60}")
+        for token in row:
+            if isinstance(token, bool) or not isinstance(token, numbers.Integral) or not 0 <= token < vocab_size:
+                raise ValueError(f"{field}[{index}]: expected token ids (ints in [0, {vocab_size})), found {token!r:.60}")
+
+
+def _check_training_options(*, steps, batch_size, learning_rate, seed, log_every) -> None:
+    for name, value, least in (("steps", steps, 1), ("batch_size", batch_size, 1), ("log_every", log_every, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"{name}: expected an int >= {least}, found {value!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"seed: expected an int, found {seed!r}")
+    if isinstance(learning_rate, bool) or not isinstance(learning_rate, (int, float)) or not (
+            math.isfinite(learning_rate) and learning_rate > 0):
+        raise ValueError(f"learning_rate: expected a finite number > 0, found {learning_rate!r}")
+
+
 def train_heads(
     model, *, query_ids: Sequence[Sequence[int]], targets: Sequence[int], tool_ids: Sequence[Sequence[int]],
     turns: Optional[Sequence[Sequence[int]]] = None, labels: Optional[Sequence[float]] = None, steps: int,
@@ -169,12 +203,26 @@ def train_heads(
     warm-up and linear decay, gradient clipping 1.0. Returns the (contrastive, confidence) loss of
     every step.
     """
-    if model.contrastive_head is None or (turns is not None and model.confidence_head is None):
+    if getattr(model, "contrastive_head", None) is None or (
+            turns is not None and getattr(model, "confidence_head", None) is None):
         raise ValueError("train_heads needs the contrastive head (and the confidence head to fit turns)")
+    _check_training_options(steps=steps, batch_size=batch_size, learning_rate=learning_rate, seed=seed,
+                            log_every=log_every)
+    vocab_size = model.config.vocab_size
+    _check_rows("query_ids", query_ids, vocab_size)
+    _check_rows("tool_ids", tool_ids, vocab_size)
+    if turns is not None:
+        _check_rows("turns", turns, vocab_size)
     if len(query_ids) != len(targets) or (turns is not None and (labels is None or len(turns) != len(labels))):
         raise ValueError(f"train_heads: expected one target per query and one label per turn, got "
                          f"{len(query_ids)} queries / {len(targets)} targets, "
                          f"{None if turns is None else len(turns)} turns / {None if labels is None else len(labels)} labels")
+    for index, target in enumerate(targets):
+        if isinstance(target, bool) or not isinstance(target, numbers.Integral) or not 0 <= target < len(tool_ids):
+            raise ValueError(f"targets[{index}]: expected a catalogue index in [0, {len(tool_ids)}), found {target!r}")
+    for index, label in enumerate(labels or ()):
+        if isinstance(label, bool) or not isinstance(label, numbers.Real) or not 0.0 <= label <= 1.0:
+            raise ValueError(f"labels[{index}]: expected a number in [0, 1] (1 = right answer), found {label!r}")
     query_cells, tool_cells = backbone_cells(model, query_ids), backbone_cells(model, tool_ids)
     turn_cells = None if turns is None else backbone_cells(model, turns)
     parameters = list(model.contrastive_head.parameters())

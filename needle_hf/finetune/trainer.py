@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from transformers import Trainer
 
-from .data import IGNORE_INDEX
+from .data import IGNORE_INDEX, checked_option
 from .heads import confidence_loss
 
 #: Module names (PyTorch) of the reference's LoRA targets; ``o_proj`` is its ``out_proj``.
@@ -49,6 +49,9 @@ def needle_lora_config(*, rank: int = 8, alpha: float = 16.0, dropout: float = 0
     """`peft.LoraConfig` of the reference's adapter: rank ``rank``, scale ``alpha / rank``, no bias."""
     from peft import LoraConfig
 
+    rank = checked_option("rank", rank, low=1, integer=True)
+    alpha = checked_option("alpha", alpha, low=0, low_inclusive=False)
+    dropout = checked_option("dropout", dropout, low=0, high=1, high_inclusive=False)
     return LoraConfig(
         r=rank, lora_alpha=alpha, lora_dropout=dropout, bias="none", target_modules=BACKBONE_LORA_TARGETS,
         task_type="CAUSAL_LM",
@@ -90,12 +93,26 @@ def needle_causal_lm_loss(
     Returns:
         scalar float32 loss.
     """
+    _check_scores("logits", logits, labels)
+    mtp_loss_weight = checked_option("mtp_loss_weight", mtp_loss_weight, low=0)
     loss = _shifted_cross_entropy(logits, labels, 1, num_items_in_batch)
     if mtp_loss_weight:
         if mtp_logits is None:
             raise ValueError("mtp_loss_weight > 0 needs mtp_logits (call the model with return_mtp_logits=True)")
+        _check_scores("mtp_logits", mtp_logits, labels)
         loss = loss + mtp_loss_weight * _shifted_cross_entropy(mtp_logits, labels, 2, num_items_in_batch)
     return loss
+
+
+def _check_scores(name: str, scores, labels) -> None:
+    """Scores [B, T, V] float and labels [B, T] integer of the same batch and length."""
+    if not isinstance(scores, torch.Tensor) or scores.dim() != 3 or not scores.is_floating_point():
+        found = f"{scores.dtype} {tuple(scores.shape)}" if isinstance(scores, torch.Tensor) else type(scores).__name__
+        raise ValueError(f"{name}: expected a float tensor [batch, tokens, vocab], found {found}")
+    if not isinstance(labels, torch.Tensor) or labels.dim() != 2 or labels.is_floating_point() \
+            or tuple(labels.shape) != tuple(scores.shape[:2]):
+        found = f"{labels.dtype} {tuple(labels.shape)}" if isinstance(labels, torch.Tensor) else type(labels).__name__
+        raise ValueError(f"labels: expected an integer tensor {tuple(scores.shape[:2])} (as {name}), found {found}")
 
 
 class NeedleLossMixin:
@@ -111,9 +128,11 @@ class NeedleLossMixin:
 
     def __init__(self, *args, mtp_loss_weight: float = 0.0, confidence_loss_weight: float = 0.0,
                  **trainer_arguments):
+        mtp_loss_weight = checked_option("mtp_loss_weight", mtp_loss_weight, low=0)
+        confidence_loss_weight = checked_option("confidence_loss_weight", confidence_loss_weight, low=0)
         super().__init__(*args, **trainer_arguments)
-        self.mtp_loss_weight = float(mtp_loss_weight)
-        self.confidence_loss_weight = float(confidence_loss_weight)
+        self.mtp_loss_weight = mtp_loss_weight
+        self.confidence_loss_weight = confidence_loss_weight
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         inputs = dict(inputs)

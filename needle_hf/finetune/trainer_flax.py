@@ -27,6 +27,7 @@ warm-up over the first 5% of the steps and cosine decay to 0 (`finetune_optimize
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Optional
 
 import jax
@@ -34,7 +35,7 @@ import jax.numpy as jnp
 import optax
 from flax.traverse_util import flatten_dict, unflatten_dict
 
-from .data import IGNORE_INDEX
+from .data import IGNORE_INDEX, checked_option
 
 #: Kernel names (Flax) of the reference's LoRA targets in a backbone layer's self_attn.
 LORA_TARGET_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "gate_proj", "o_proj")
@@ -51,6 +52,7 @@ def lora_target_paths(params: dict) -> list[tuple]:
 
 def init_lora(params: dict, *, rank: int, key: jax.Array) -> dict:
     """The reference's initial adapter {path: {"A" [in, r] ~ N(0, 1) / r, "B" [r, out] = 0}}, float32."""
+    rank = checked_option("rank", rank, low=1, integer=True)
     flat = flatten_dict(params)
     adapter = {}
     for path in lora_target_paths(params):
@@ -63,6 +65,7 @@ def init_lora(params: dict, *, rank: int, key: jax.Array) -> dict:
 
 def merge_lora(params: dict, lora: dict, *, scale: float) -> dict:
     """``params`` with every adapted kernel W replaced by W + scale * A @ B (in W's dtype)."""
+    scale = checked_option("scale", scale, low=-math.inf)
     flat = dict(flatten_dict(params))
     for path, adapter in lora.items():
         flat[path] = flat[path] + (scale * adapter["A"] @ adapter["B"]).astype(flat[path].dtype)
@@ -72,6 +75,7 @@ def merge_lora(params: dict, lora: dict, *, scale: float) -> dict:
 def lora_collection(lora: dict, *, scale: float) -> dict:
     """The model's `lora` variable collection (`FlaxNeedleForCausalLM.__call__(lora=...)`): each
     adapter {"A", "B": scale * B} at its projection's module path (the kernel path less ``kernel``)."""
+    scale = checked_option("scale", scale, low=-math.inf)
     return unflatten_dict({path[:-1]: {"A": adapter["A"], "B": scale * adapter["B"]} for path, adapter in lora.items()})
 
 
@@ -88,12 +92,17 @@ def needle_causal_lm_loss(logits, labels, *, mtp_logits=None, mtp_loss_weight: f
     """The Needle fine-tuning loss (see `needle_hf.finetune.trainer.needle_causal_lm_loss`)."""
     loss = _shifted_cross_entropy(logits, labels, 1)
     if mtp_loss_weight:
+        if mtp_logits is None:
+            raise ValueError("mtp_loss_weight > 0 needs mtp_logits (call the model with output_mtp_logits=True)")
         loss = loss + mtp_loss_weight * _shifted_cross_entropy(mtp_logits, labels, 2)
     return loss
 
 
 def finetune_optimizer(*, learning_rate: float, total_steps: int, weight_decay: float = 1e-4):
     """The reference's optimiser: clip_by_global_norm(1.0) then AdamW with warm-up (5%) + cosine decay."""
+    learning_rate = checked_option("learning_rate", learning_rate, low=0, low_inclusive=False)
+    total_steps = checked_option("total_steps", total_steps, low=1, integer=True)
+    weight_decay = checked_option("weight_decay", weight_decay, low=0)
     warmup = min(max(1, total_steps // 20), max(total_steps - 1, 1))
     schedule = optax.warmup_cosine_decay_schedule(
         init_value=0.0, peak_value=learning_rate, warmup_steps=warmup, decay_steps=max(total_steps, 2))
@@ -106,6 +115,9 @@ def make_loss_function(model, *, lora_scale: Optional[float], mtp_loss_weight: f
 
     ``batch`` holds ``input_ids``, ``attention_mask`` and ``labels`` [B, T].
     """
+    if lora_scale is not None:
+        lora_scale = checked_option("lora_scale", lora_scale, low=-math.inf)
+    mtp_loss_weight = checked_option("mtp_loss_weight", mtp_loss_weight, low=0)
 
     def loss(trainable, frozen_params, batch):
         if lora_scale is None:

@@ -20,8 +20,20 @@ KV_SCALE_GROUP = 32  # channels per float32 scale; the window is also a multiple
 KV_WINDOW_FLOOR = 160
 
 
+_GEOMETRY = ("num_key_value_heads", "head_dim", "hidden_size", "num_hidden_layers", "engram_layers",
+             "max_position_embeddings", "kv_window")
+
+
+def _check_config(config) -> None:
+    """A Needle config (this package's or a remote-code copy of it: the fields, not the class, matter)."""
+    missing = [name for name in _GEOMETRY if not hasattr(config, name)]
+    if missing:
+        raise TypeError(f"config: expected a NeedleConfig, found {type(config).__name__} without {', '.join(missing)}")
+
+
 def kv_budget_window(config) -> int:
     """Positions that fit the engine's KV budget for ``config`` (a `NeedleConfig`), in [floor, context]."""
+    _check_config(config)
     kv_width = config.num_key_value_heads * config.head_dim
     width = config.hidden_size
     per_layer = 2 * kv_width + 2 * (kv_width // KV_SCALE_GROUP) * 4
@@ -33,6 +45,7 @@ def kv_budget_window(config) -> int:
 
 def engine_kv_window(config) -> int:
     """The window the engine decodes with: ``config.kv_window`` capped by the budget, else the budget."""
+    _check_config(config)
     budget = kv_budget_window(config)
     return min(budget, config.kv_window) if config.kv_window else budget
 

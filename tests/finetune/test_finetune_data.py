@@ -114,3 +114,104 @@ def test_malformed_lines_are_reported_with_file_line_and_field(tmp_path, line, p
     path.write_text('{"query": "fine"}\n' + line + "\n", encoding="utf-8")
     with pytest.raises(FinetuneDataError, match=r"bad\.jsonl:2: .*" + re.escape(problem)):
         load_finetune_dataset(path)
+
+
+_TOOL = '{"name":"a","description":"x","parameters":{"type":"object","properties":{}}}'
+
+
+def _line(arguments: str = "{}", name: str = "a", tools: str = f"[{_TOOL}]", extra: str = "") -> bytes:
+    return f'{{"query":"q","tools":{tools},"answers":[{{"name":"{name}","arguments":{arguments}}}]{extra}}}'.encode()
+
+
+@pytest.mark.parametrize("data, problem", [
+    (b'{"query":"caf\xe9","answers":[]}', "not UTF-8 text (byte 0xe9"),
+    (_line('{"x":' + "[" * 100_000 + "]" * 100_000 + "}"), "nests deeper than 64 levels"),
+    (_line('{"x":' + "[" * 70 + "]" * 70 + "}"), "field 'answers': nests deeper than 64 levels"),
+    (_line('{"x":' + "9" * 5000 + "}"), "a number of 5000 digits"),
+    (_line('{"x":1e999}'), "overflows a float"),
+    (_line('{"x":NaN}'), "NaN is not a JSON number"),
+    (_line('{"x":-Infinity}'), "-Infinity is not a JSON number"),
+    (b'{"query":"q\\ud800","answers":[]}', "field 'query': text with a lone surrogate"),
+    (_line('{"x":"\\udc00"}'), "field 'answers[0].arguments.x': text with a lone surrogate"),
+    (_line(name="b"), "field 'answers[0].name': calls 'b', which the example does not offer"),
+    (_line(tools="[]"), "field 'answers[0].name': calls 'a'"),
+    (_line(tools=f"[{_TOOL},{_TOOL}]"), "field 'tools[1].name': the tool name 'a' is offered twice"),
+    (_line(tools='[{"description":"x"}]'), "field 'tools[0].name': expected a non-empty string"),
+    (_line(tools='[{"name":"a","parameters":[]}]'), "field 'tools[0].parameters': expected a JSON object"),
+    (_line(tools='"[{\\"name\\":\\"a\\",\\"x\\":NaN}]"'), "field 'tools': NaN is not a JSON number"),
+    (_line(arguments="null"), "field 'answers[0].arguments': expected a JSON object"),
+    (_line(arguments='"{}"'), "field 'answers[0].arguments': expected a JSON object"),
+    (_line(name=""), "field 'answers[0].name': expected a non-empty string"),
+    (_line(extra=',"reasoning":"a</think>b"'), "field 'reasoning': holds </think>"),
+    (_line(extra=',"reasoning":7'), "field 'reasoning': expected a string"),
+    (_line(extra=',"function_calls":[]'), "'answers' and 'function_calls' both given"),
+    (b'{"query":"q","answer":[{"name":"a","arguments":{}}]}', "unknown field 'answer'"),
+    (b'{"query":"q","query":"r","answers":[]}', "repeats the key 'query'"),
+    (b'{"query":["q"],"answers":[]}', "field 'query': expected a string"),
+    (b'[{"query":"q"}]', "expected a JSON object, found list"),
+    (b'{"query":"q","answers":[]}\x00', "not valid JSON"),
+    (b'\xef\xbb\xbf{"query":"q","answers":[]}', "a byte-order mark is only allowed at the start of the file"),
+])
+def test_hostile_lines_are_refused_naming_file_line_and_field(tmp_path, data, problem):
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(b'{"query": "fine", "answers": []}\n' + data + b"\n")
+    with pytest.raises(FinetuneDataError, match=r"bad\.jsonl:2: .*" + re.escape(problem)):
+        load_finetune_dataset(path)
+
+
+def test_a_leading_bom_crlf_lines_and_blank_lines_are_read(tmp_path):
+    path = tmp_path / "windows.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf' + _line() + b"\r\n\r\n" + _line(arguments='{"x":"</tool_call><|im_end|>"}') + b"\r\n")
+    dataset = load_finetune_dataset(path)
+    assert [row["messages"][-1]["tool_calls"][0]["function"]["arguments"] for row in dataset] == \
+        ["{}", '{"x":"</tool_call><|im_end|>"}']
+
+
+@pytest.mark.parametrize("content, problem", [
+    (None, "no examples"), (b"", "no examples"), (b"\n  \n\n", "no examples"), ("folder", "a folder, not a file"),
+])
+def test_empty_missing_and_folder_paths_are_refused(tmp_path, content, problem):
+    path = tmp_path / "data.jsonl"
+    if content == "folder":
+        path.mkdir()
+    elif content is not None:
+        path.write_bytes(content)
+    else:
+        problem = "no such file"
+    with pytest.raises(FinetuneDataError, match=re.escape(problem)):
+        load_finetune_dataset(path)
+    with pytest.raises(FinetuneDataError, match="path: expected a file path"):
+        load_finetune_dataset(3)
+
+
+def test_in_memory_examples_with_non_json_values_or_unoffered_tools_are_refused():
+    from needle_hf.finetune_data import conversations_dataset, example_to_conversation
+
+    tool = json.loads(_TOOL)
+    for arguments, problem in (({"x": float("nan")}, "expected a finite number"), ({"x": {1, 2}}, "found set"),
+                               ({"x": b"raw"}, "found bytes"), ({1: "x"}, "expected string keys")):
+        with pytest.raises(FinetuneDataError, match=r"example 0: field 'answers\[0\]\.arguments.*" + re.escape(problem)):
+            conversations_dataset([{"query": "q", "tools": [tool], "answers": [{"name": "a", "arguments": arguments}]}])
+    wrong = {"query": "q", "tools": [tool], "answers": [{"name": "other", "arguments": {}}]}
+    with pytest.raises(FinetuneDataError, match="does not offer"):
+        example_to_conversation(wrong)
+    assert example_to_conversation(wrong, offered_tools_only=False)["messages"][-1]["tool_calls"][0]["function"]["name"] == "other"
+    with pytest.raises(FinetuneDataError, match="examples: no examples"):
+        conversations_dataset([])
+    with pytest.raises(FinetuneDataError, match="examples: expected an iterable"):
+        conversations_dataset({"query": "q"})
+
+
+def test_collator_refuses_bad_rows_and_options():
+    with pytest.raises(ValueError, match="pad_token_id"):
+        NeedlePaddingCollator(pad_token_id=-1)
+    with pytest.raises(ValueError, match="return_tensors"):
+        NeedlePaddingCollator(pad_token_id=0, return_tensors="tf")
+    with pytest.raises(ValueError, match="pad_to_multiple_of"):
+        NeedlePaddingCollator(pad_token_id=0, pad_to_multiple_of=0)
+    collate = NeedlePaddingCollator(pad_token_id=0, return_tensors="np")
+    for rows, problem in (([], "at least one row"), ([{"input_ids": [1, 2]}], r"rows\[0\]: expected a dict"),
+                          ([{"input_ids": [1, 2], "labels": [1]}], r"rows\[0\]: 'labels' has 1 entries"),
+                          ([{"input_ids": ["a"], "labels": [1]}], r"rows\[0\]: expected 'input_ids'")):
+        with pytest.raises(FinetuneDataError, match=problem):
+            collate(rows)

@@ -101,3 +101,18 @@ def test_jit_train_steps_lower_the_held_out_loss(flax_model, fast_tokenizer, mod
         trainable, state, loss = step(trainable, state, params, batch)
     after = float(evaluate(trainable, params, held_out))
     assert np.isfinite(float(loss)) and after < before - 0.1, (before, after)
+
+
+def test_bad_flax_finetuning_options_are_refused_naming_them(flax_model):
+    import jax
+
+    for call, problem in [
+        (lambda: init_lora(flax_model.params, rank=0, key=jax.random.PRNGKey(0)), r"rank: expected an int >= 1, found 0"),
+        (lambda: finetune_optimizer(learning_rate=float("nan"), total_steps=10), r"learning_rate: expected a finite number > 0"),
+        (lambda: finetune_optimizer(learning_rate=1e-3, total_steps=0), r"total_steps: expected an int >= 1, found 0"),
+        (lambda: finetune_optimizer(learning_rate=1e-3, total_steps=10, weight_decay=-1), r"weight_decay: expected"),
+        (lambda: make_loss_function(flax_model, lora_scale=float("inf")), r"lora_scale: expected a finite number"),
+        (lambda: make_train_step(flax_model, None, lora_scale=None, mtp_loss_weight=-0.5), r"mtp_loss_weight: expected"),
+    ]:
+        with pytest.raises(ValueError, match=problem):
+            call()

@@ -178,3 +178,38 @@ def test_shipped_demo_heads_route_held_out_queries_and_score_right_answers_above
     right = torch.cat([answer_confidence(demo_model, ids) for ids in right])
     wrong = torch.cat([answer_confidence(demo_model, ids) for ids in wrong])
     assert right.mean() > wrong.mean() + RIGHT_WRONG_MARGIN, (right, wrong)
+
+
+def test_bad_head_training_inputs_are_refused_naming_the_field(tokenizer, tmp_path):
+    from needle_hf.finetune_data import FinetuneDataError
+    from needle_hf.demo_data import write_demo_jsonl
+
+    model = tiny_model(tokenizer)
+    good = {"query_ids": [[2, 20, 21]], "targets": [0], "tool_ids": [[2, 30], [2, 31]]}
+    for options, problem in [
+        ({"query_ids": []}, r"query_ids: expected a non-empty list of token id lists, found an empty list"),
+        ({"query_ids": [[2, 10**6]]}, r"query_ids\[0\]: expected token ids \(ints in \[0, \d+\)\), found 1000000"),
+        ({"query_ids": [[]]}, r"query_ids\[0\]: expected a non-empty list of token ids"),
+        ({"tool_ids": "abc"}, r"tool_ids: expected a non-empty list of token id lists, found str"),
+        ({"targets": [2]}, r"targets\[0\]: expected a catalogue index in \[0, 2\), found 2"),
+        ({"targets": [True]}, r"targets\[0\]: expected a catalogue index"),
+        ({"turns": [[2, 5]], "labels": [1.5]}, r"labels\[0\]: expected a number in \[0, 1\]"),
+        ({"steps": 0}, r"steps: expected an int >= 1, found 0"),
+        ({"batch_size": -1}, r"batch_size: expected an int >= 1, found -1"),
+        ({"learning_rate": float("nan")}, r"learning_rate: expected a finite number > 0, found nan"),
+    ]:
+        with pytest.raises(ValueError, match=problem):
+            train_heads(model, **{**good, "steps": 1, **options})
+    example = make_demo_examples(1, seed=0)[0]
+    with pytest.raises(FinetuneDataError, match=r"field 'answers\[0\]\.arguments'"):
+        turn_ids(tokenizer, {**example, "answers": [{"name": "x", "arguments": float("nan")}]})
+    for rows, problem in (([], r"rows: expected a non-empty list"), ([{"input_ids": [1]}], r"rows\[0\]: expected a dict"),
+                          ([{"input_ids": [], "labels": []}], r"rows\[0\]: 'input_ids' is empty")):
+        with pytest.raises(FinetuneDataError, match=problem):
+            ConfidenceRowsCollator(pad_token_id=0)(rows)
+    for call, problem in ((lambda: make_demo_examples(-1, seed=0), r"count: expected an int >= 0, got -1"),
+                          (lambda: make_demo_examples(2, seed="x"), r"seed: expected an int, got 'x'"),
+                          (lambda: write_demo_jsonl(tmp_path / "missing" / "d.jsonl", 2, seed=0), r"does not exist"),
+                          (lambda: write_demo_jsonl(tmp_path / "d.jsonl", 0, seed=0), r"count: expected an int >= 1")):
+        with pytest.raises(ValueError, match=problem):
+            call()

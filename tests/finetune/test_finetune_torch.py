@@ -162,3 +162,25 @@ def test_shipped_demo_model_answers_held_out_prompts_with_the_exact_calls(demo_m
         except ToolCallParseError:
             pass
     assert exact >= 9, f"{exact}/10 exact tool calls"
+
+
+@pytest.mark.parametrize("call, problem", [
+    (lambda: needle_lora_config(rank=0), r"rank: expected an int >= 1, found 0"),
+    (lambda: needle_lora_config(rank=2.5), r"rank: expected an int >= 1, found 2.5"),
+    (lambda: needle_lora_config(alpha=float("nan")), r"alpha: expected a finite number > 0, found nan"),
+    (lambda: needle_lora_config(dropout=1.0), r"dropout: expected a finite number >= 0 and < 1, found 1.0"),
+    (lambda: needle_causal_lm_loss(torch.zeros(2, 4, 8), torch.zeros(2, 4)),
+     r"labels: expected an integer tensor \(2, 4\) \(as logits\), found torch.float32"),
+    (lambda: needle_causal_lm_loss(torch.zeros(4, 8), torch.zeros(2, 4, dtype=torch.long)),
+     r"logits: expected a float tensor \[batch, tokens, vocab\], found torch.float32 \(4, 8\)"),
+    (lambda: needle_causal_lm_loss(torch.zeros(2, 4, 8), torch.zeros(2, 3, dtype=torch.long)), r"labels: .*found torch.int64 \(2, 3\)"),
+    (lambda: needle_causal_lm_loss(torch.zeros(2, 4, 8), torch.zeros(2, 4, dtype=torch.long), mtp_loss_weight=float("inf")),
+     r"mtp_loss_weight: expected a finite number >= 0, found inf"),
+    (lambda: NeedleTrainer(model=None, args=TrainingArguments(output_dir="unused", report_to=[]), mtp_loss_weight=-1),
+     r"mtp_loss_weight: expected a finite number >= 0, found -1"),
+    (lambda: NeedleTrainer(model=None, args=TrainingArguments(output_dir="unused", report_to=[]), confidence_loss_weight="x"),
+     r"confidence_loss_weight: expected a finite number >= 0, found 'x'"),
+])
+def test_bad_finetuning_options_are_refused_naming_them(call, problem):
+    with pytest.raises(ValueError, match=problem):
+        call()

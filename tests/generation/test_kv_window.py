@@ -124,3 +124,15 @@ def test_engine_window_is_the_budget_capped_kv_window():
     assert NeedleConfig().attention_window == 0
     with pytest.raises(ValueError, match="attention_window"):
         NeedleConfig(attention_window=-1)
+
+
+@pytest.mark.parametrize("options, problem", [
+    ({"kv_window": -5}, "kv_window must be in"), ({"kv_window": "256"}, "kv_window must be an integer"),
+    ({"kv_window": True}, "kv_window must be an integer"), ({"attention_window": 2.5}, "attention_window must be an integer"),
+])
+def test_bad_window_options_are_refused_naming_the_field(options, problem):
+    with pytest.raises(ValueError, match=problem):
+        NeedleConfig(**options)
+    for function in (kv_budget_window, engine_kv_window):
+        with pytest.raises(TypeError, match="config: expected a NeedleConfig, found dict without num_key_value_heads"):
+            function({"kv_window": 256})

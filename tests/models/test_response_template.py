@@ -12,7 +12,7 @@ import pytest
 import transformers
 from transformers import AutoTokenizer
 
-from needle_hf.response_template import RESPONSE_TEMPLATE
+from needle_hf.models.needle.response_template import RESPONSE_TEMPLATE
 from needle_hf.tokenization_needle import save_fast_tokenizer
 from needle_hf.tool_calls import parse_assistant_turn, parse_tool_calls, to_openai_tool_calls
 

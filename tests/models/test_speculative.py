@@ -208,3 +208,33 @@ def test_prompt_lookup_writes_the_greedy_tokens_up_to_the_length_limit():
                    model.generate(ids[:1], prompt_lookup_num_tokens=4, return_dict_in_generate=True,
                                   output_logits=True, **options).sequences):
         assert torch.equal(output, plain)
+
+
+@pytest.mark.parametrize("options, problem", [
+    ({"use_mtp": "yes"}, r"use_mtp: expected True, False or None, found 'yes'"),
+    ({"use_mtp": 1}, r"use_mtp: expected True, False or None, found 1"),
+    ({"use_mtp": True, "prompt_lookup_num_tokens": 3}, r"does not take prompt_lookup_num_tokens=3"),
+    ({"attention_window": -1}, r"attention_window: expected an int >= 0 \(0: full attention\), found -1"),
+    ({"attention_window": 1.5}, r"attention_window: expected an int >= 0"),
+    ({"attention_window": True}, r"attention_window: expected an int >= 0"),
+    ({"attention_window": "16", "use_mtp": True}, r"attention_window: expected an int >= 0"),
+])
+def test_generate_refuses_bad_mtp_and_window_options_naming_them(options, problem):
+    model = _model(seed=1, copying_mtp=False)
+    ids, mask = _left_padded_batch()
+    with pytest.raises(ValueError, match=problem):
+        model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False, **options)
+
+
+@pytest.mark.parametrize("use_mtp", [False, True])
+@pytest.mark.parametrize("prompt, problem", [
+    (torch.ones(1, 3), r"input_ids: expected an integer tensor \[batch, tokens\], found torch.float32 of shape \(1, 3\)"),
+    (torch.tensor([5, 6]), r"input_ids: expected an integer tensor \[batch, tokens\], found torch.int64 of shape \(2,\)"),
+    (torch.tensor([[5, 10**6]]), r"input_ids: expected ids in \[0, 512\) \(config.vocab_size\), found 5..1000000"),
+    (torch.tensor([[-1, 5]]), r"input_ids: expected ids in \[0, 512\)"),
+    ([[5, 6]], r"input_ids: expected an integer tensor \[batch, tokens\], found list"),
+])
+def test_generate_refuses_prompts_that_are_not_token_ids(prompt, problem, use_mtp):
+    model = _model(seed=1, copying_mtp=False)
+    with pytest.raises(ValueError, match=problem):
+        model.generate(prompt, max_new_tokens=2, do_sample=False, use_mtp=use_mtp)

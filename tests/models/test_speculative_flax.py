@@ -96,3 +96,16 @@ def test_flax_mtp_sampling_keeps_the_sampling_distribution_and_is_seeded(tiny_mo
     np.testing.assert_array_equal(again, np.asarray(rows.sequences))
     np.testing.assert_array_equal(np.asarray(batched(ids, jax.random.PRNGKey(1))), np.asarray(samples[1]))
     assert (np.asarray(batched(ids, jax.random.PRNGKey(2))) != np.asarray(samples[1])).any()
+
+
+def test_flax_generate_refuses_bad_use_mtp_and_prompts_naming_them(tiny_models):
+    model = tiny_models[False]
+    for options, problem in [
+        ({"input_ids": np.ones((1, 3), np.int32), "use_mtp": "yes"}, r"use_mtp: expected True, False or None, found 'yes'"),
+        ({"input_ids": np.ones((1, 3), np.float32)}, r"input_ids: expected integer ids \[batch, tokens\], found float32"),
+        ({"input_ids": np.ones(3, np.int32)}, r"input_ids: expected integer ids \[batch, tokens\], found int32 of shape \(3,\)"),
+        ({"input_ids": np.full((1, 3), 10**6, np.int32), "use_mtp": True}, r"input_ids: expected ids in \[0, "),
+        ({"input_ids": [[1, 2], [3]]}, r"input_ids: expected integer ids"),
+    ]:
+        with pytest.raises(ValueError, match=problem):
+            model.generate(**options, max_new_tokens=2, do_sample=False)

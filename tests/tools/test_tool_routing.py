@@ -150,3 +150,62 @@ def test_caller_options_need_their_heads(tokenizer, native):
     with pytest.raises(ValueError, match=r"in \[0, 1\]"):
         NeedleToolCaller(NeedleForCausalLM(NeedleConfig.from_needle_config(native, use_confidence_head=True)),
                          tokenizer, confidence_threshold=2)
+
+
+LONG_TOOL = _tool("long_tool", "word " * 1500, value="string")
+
+
+@pytest.mark.parametrize("call, problem", [
+    (lambda m, t: rank_tools(m, t, QUERY, {"a": CATALOGUE[0]}), r"tools: expected a list of tool schemas, found dict"),
+    (lambda m, t: rank_tools(m, t, QUERY, []), r"tools: expected at least one tool schema"),
+    (lambda m, t: rank_tools(m, t, QUERY, "tools"), r"tools: expected a list of tool schemas, found str"),
+    (lambda m, t: rank_tools(m, t, QUERY, [CATALOGUE[0], "x"]), r"tools\[1\]: expected a tool schema dict, found str"),
+    (lambda m, t: rank_tools(m, t, QUERY, [CATALOGUE[0], CATALOGUE[0]]), r"tools\[1\]\.name: 'set_alarm' is also tools\[0\]'s"),
+    (lambda m, t: rank_tools(m, t, QUERY, [{"description": "x"}]), r"tools\[0\]\.name: expected a non-empty string"),
+    (lambda m, t: rank_tools(m, t, QUERY, [{"type": "function", "function": 3}]), r"tools\[0\]\.function"),
+    (lambda m, t: rank_tools(m, t, QUERY, [{"name": "x", "bad": float("nan")}]), r"tools\[0\]: not a JSON schema"),
+    (lambda m, t: rank_tools(m, t, QUERY, CATALOGUE + [LONG_TOOL]),
+     r"tools\[5\]: \d+ tokens, more than the model's max_position_embeddings=512"),
+    (lambda m, t: rank_tools(m, t, "word " * 1500, CATALOGUE), r"query: \d+ tokens, more than"),
+    (lambda m, t: rank_tools(m, t, 3, CATALOGUE), r"query: expected a string, found int"),
+    (lambda m, t: rank_tools(m, t, QUERY, CATALOGUE, top_k=0), r"top_k: expected a positive int or None, found 0"),
+    (lambda m, t: rank_tools(m, t, QUERY, CATALOGUE, top_k=-2), r"top_k: expected a positive int or None, found -2"),
+    (lambda m, t: rank_tools(m, t, QUERY, CATALOGUE, top_k=True), r"top_k: expected a positive int"),
+    (lambda m, t: rank_tools(m, t, QUERY, CATALOGUE, top_k=1.5), r"top_k: expected a positive int"),
+    (lambda m, t: select_tools(m, t, QUERY, CATALOGUE, top_k=None), r"top_k: expected a positive int, found None"),
+    (lambda m, t: rank_tools(m, t, QUERY, CATALOGUE, tool_embeddings=torch.zeros(5, 7)),
+     r"tool_embeddings: expected shape \(5, 16\) .*found \(5, 7\)"),
+    (lambda m, t: rank_tools(m, t, QUERY, CATALOGUE, tool_embeddings=torch.zeros(4, 16)),
+     r"tool_embeddings: expected shape \(5, 16\)"),
+    (lambda m, t: rank_tools(m, t, QUERY, CATALOGUE, tool_embeddings=torch.full((5, 16), float("nan"))),
+     r"tool_embeddings: expected finite values, found NaN or infinity in row 0"),
+    (lambda m, t: rank_tools(m, t, QUERY, CATALOGUE, tool_embeddings=torch.full((5, 16), 0.5)),
+     r"tool_embeddings: expected L2-normalised rows \(embed_tools\), found norm 2 in row 0"),
+    (lambda m, t: rank_tools(m, t, QUERY, CATALOGUE, tool_embeddings=torch.zeros(5, 16, dtype=torch.long)),
+     r"tool_embeddings: expected a float tensor"),
+    (lambda m, t: rank_tools(m, t, QUERY, CATALOGUE, tool_embeddings=[[0.0] * 16] * 5),
+     r"tool_embeddings: expected a torch.Tensor"),
+    (lambda m, t: embed_tools(m, t, {"a": CATALOGUE[0]}), r"tools: expected a list"),
+    (lambda m, t: NeedleToolCaller(m, t, top_k_tools=0), r"top_k_tools: expected a positive int or None, found 0"),
+    (lambda m, t: NeedleToolCaller(m, t, confidence_threshold="0.5"), r"confidence_threshold: expected a probability"),
+    (lambda m, t: NeedleToolCaller(m, t, confidence_threshold=float("nan")), r"confidence_threshold: expected a probability"),
+    (lambda m, t: NeedleToolCaller(m, t, constrained="yes"), r"constrained: expected True or False"),
+    (lambda m, t: NeedleToolCaller(m, t)(QUERY, {"a": CATALOGUE[0]}), r"tools: expected a list of tool schemas, found dict"),
+    (lambda m, t: NeedleToolCaller(m, t)(QUERY, CATALOGUE, max_new_tokens=0), r"max_new_tokens: expected a positive int"),
+    (lambda m, t: NeedleToolCaller(m, t)(None, CATALOGUE), r"query: expected a string"),
+    (lambda m, t: NeedleToolCaller(m, t)(QUERY, CATALOGUE + [LONG_TOOL]), r"prompt: \d+ tokens \+ max_new_tokens=64 exceed"),
+    (lambda m, t: answer_confidence(m, torch.ones(1, 4)), r"sequences: expected token ids as an integer tensor"),
+    (lambda m, t: answer_confidence(m, torch.tensor([[1, 10**6]])), r"sequences: expected ids in \[0, "),
+    (lambda m, t: answer_confidence(m, torch.ones(1, 4, dtype=torch.long), torch.ones(1, 3)),
+     r"attention_mask: expected shape \(1, 4\)"),
+])
+def test_bad_routing_inputs_name_the_field_with_expected_and_found(model, tokenizer, call, problem):
+    from needle_hf.tool_routing import ToolRoutingError
+
+    with pytest.raises(ToolRoutingError, match=problem):
+        call(model, tokenizer)
+
+
+def test_an_empty_catalogue_is_a_plain_prompt_for_the_caller(model, tokenizer):
+    answer = NeedleToolCaller(model, tokenizer, top_k_tools=2)(QUERY, [], max_new_tokens=2)
+    assert answer.tools_offered == []

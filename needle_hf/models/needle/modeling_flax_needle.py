@@ -1380,6 +1380,25 @@ class FlaxNeedleModel(FlaxNeedlePreTrainedModel):
     _weights_prefix = "model."
 
 
+
+def _check_prompt_ids(input_ids, vocab_size: int) -> None:
+    """`generate`'s prompt: integer ids [B, T] in [0, vocab_size) (the range is checked on concrete values only,
+    not on a jit tracer)."""
+    if not (hasattr(input_ids, "shape") and hasattr(input_ids, "dtype")):
+        try:
+            input_ids = np.asarray(input_ids)
+        except ValueError:
+            input_ids = np.asarray(0.0)  # ragged: refused below
+    if len(input_ids.shape) != 2 or not jnp.issubdtype(input_ids.dtype, jnp.integer):
+        raise ValueError(f"input_ids: expected integer ids [batch, tokens], found {input_ids.dtype} of shape "
+                         f"{tuple(input_ids.shape)}")
+    if isinstance(input_ids, jax.core.Tracer) or not input_ids.size:
+        return
+    values = np.asarray(input_ids)
+    if values.min() < 0 or values.max() >= vocab_size:
+        raise ValueError(f"input_ids: expected ids in [0, {vocab_size}) (config.vocab_size), "
+                         f"found {values.min()}..{values.max()}")
+
 class FlaxNeedleForCausalLM(FlaxNeedlePreTrainedModel):
     """Needle 2 with its tied language-model head, the MTP head and (when present) the pooling heads."""
 
@@ -1416,6 +1435,7 @@ class FlaxNeedleForCausalLM(FlaxNeedlePreTrainedModel):
         Either way the layers run on `with_decoding_kernels` of the params (q, k, v and gate kernels
         concatenated once per call, one matmul per decoding step)."""
         use_mtp = pop_mtp_option(kwargs, generation_config if generation_config is not None else self.generation_config)
+        _check_prompt_ids(input_ids, self.config.vocab_size)
         params = with_decoding_kernels(params if params is not None else self.params, self.config)
         if not use_mtp:
             return super().generate(input_ids, generation_config, prng_key, trace, params, logits_processor, **kwargs)

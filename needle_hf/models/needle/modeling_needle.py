@@ -1206,7 +1206,7 @@ class NeedleModel(NeedlePreTrainedModel):
                     f"attention_mask must cover the cached and the new tokens: expected shape {(batch, key_length)}, "
                     f"got {tuple(attention_mask.shape)}"
                 )
-        window = self.config.attention_window if attention_window is None else int(attention_window)
+        window = self.config.attention_window if attention_window is None else _attention_window_option(attention_window)
         step = self.step_inputs(batch, length, cache_position, key_length, attention_mask, position_ids,
                                 attention_window=window)
         hidden, all_hidden, all_attentions = self.forward_with_step_inputs(
@@ -1378,7 +1378,7 @@ class NeedleForCausalLM(NeedlePreTrainedModel, GenerationMixin):
         if return_mtp_logits:
             batch, length = input_ids.shape
             positions = torch.arange(length, device=input_ids.device)
-            window = self.config.attention_window if attention_window is None else int(attention_window)
+            window = self.config.attention_window if attention_window is None else _attention_window_option(attention_window)
             step = self.model.step_inputs(batch, length, positions, length, attention_mask, position_ids,
                                           attention_window=window)
             next_ids = torch.cat([input_ids[:, 1:], torch.zeros_like(input_ids[:, :1])], dim=1)
@@ -1453,6 +1453,13 @@ class NeedleForCausalLM(NeedlePreTrainedModel, GenerationMixin):
         lookup = kwargs.get("prompt_lookup_num_tokens") or getattr(
             generation_config or self.generation_config, "prompt_lookup_num_tokens", None
         )
+        if use_mtp and lookup:
+            raise ValueError(f"use_mtp=True drafts with the MTP head; it does not take prompt_lookup_num_tokens={lookup}")
+        if kwargs.get("attention_window") is not None:
+            kwargs["attention_window"] = _attention_window_option(kwargs["attention_window"])
+        prompt = inputs if inputs is not None else kwargs.get("input_ids")
+        if prompt is not None:
+            _check_prompt_ids(prompt, self.config.vocab_size)
         if not use_mtp and not lookup:
             return super().generate(inputs, generation_config, **kwargs)
         resolved, model_kwargs = self._prepare_generation_config(generation_config, **kwargs)
@@ -1544,6 +1551,26 @@ class NeedleForCausalLM(NeedlePreTrainedModel, GenerationMixin):
             raise ValueError("this model has no confidence head (config.use_confidence_head is False)")
         cells, keep = self._probe_cells(input_ids, attention_mask)
         return self.confidence_head(cells, keep, self.model.embed_tokens.weight.dtype)
+
+
+def _attention_window_option(value) -> int:
+    """An ``attention_window`` passed to a forward or `generate`: an int >= 0 (0: full attention)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+        raise ValueError(f"attention_window: expected an int >= 0 (0: full attention), found {value!r}")
+    return int(value)
+
+
+def _check_prompt_ids(input_ids, vocab_size: int) -> None:
+    """`generate`'s prompt: an integer tensor [B, T] of ids in [0, vocab_size)."""
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point() \
+            or input_ids.dtype in (torch.bool, torch.complex64, torch.complex128):
+        found = (f"{input_ids.dtype} of shape {tuple(input_ids.shape)}" if isinstance(input_ids, torch.Tensor)
+                 else type(input_ids).__name__)
+        raise ValueError(f"input_ids: expected an integer tensor [batch, tokens], found {found}")
+    if input_ids.numel():
+        low, high = int(input_ids.min()), int(input_ids.max())
+        if low < 0 or high >= vocab_size:
+            raise ValueError(f"input_ids: expected ids in [0, {vocab_size}) (config.vocab_size), found {low}..{high}")
 
 
 def _fill_tied_alias(module, state_dict, prefix, *args):

@@ -24,6 +24,12 @@ LEGACY_MTP_OPTION = "use_mtp"
 TRANSFORMERS_OWNS_USE_MTP = int(transformers.__version__.split(".")[0]) >= 5
 
 
+def _checked(name: str, value):
+    if value is not None and not isinstance(value, bool):
+        raise ValueError(f"{name}: expected True, False or None, found {value!r}")
+    return value
+
+
 def pop_mtp_option(kwargs: dict, generation_config) -> bool:
     """Whether a `generate` call asks for MTP self-speculation; takes the option out of ``kwargs``.
 
@@ -34,9 +40,9 @@ def pop_mtp_option(kwargs: dict, generation_config) -> bool:
     Raises:
         ValueError: on transformers 5.x, a true ``use_mtp`` (transformers' own MTP, not Needle's).
     """
-    requested = kwargs.pop(MTP_OPTION, None)
+    requested = _checked(MTP_OPTION, kwargs.pop(MTP_OPTION, None))
     if requested is None:
-        requested = getattr(generation_config, MTP_OPTION, None)
+        requested = _checked(MTP_OPTION, getattr(generation_config, MTP_OPTION, None))
     if TRANSFORMERS_OWNS_USE_MTP:
         legacy = kwargs.get(LEGACY_MTP_OPTION)
         if legacy is None:
@@ -46,9 +52,9 @@ def pop_mtp_option(kwargs: dict, generation_config) -> bool:
                 f"generate({LEGACY_MTP_OPTION}=True) is transformers' own multi-token prediction (DeepSeek-style "
                 f"MTP layers), which Needle does not have; Needle's MTP head drafts with {MTP_OPTION}=True")
         return bool(requested)
-    legacy = kwargs.pop(LEGACY_MTP_OPTION, None)
+    legacy = _checked(LEGACY_MTP_OPTION, kwargs.pop(LEGACY_MTP_OPTION, None))
     if legacy is None:
-        legacy = getattr(generation_config, LEGACY_MTP_OPTION, None)
+        legacy = _checked(LEGACY_MTP_OPTION, getattr(generation_config, LEGACY_MTP_OPTION, None))
     if legacy is not None:
         warnings.warn(f"{LEGACY_MTP_OPTION} is deprecated (transformers 5 gives the name another meaning): "
                       f"use {MTP_OPTION}", FutureWarning, stacklevel=3)
