@@ -53,13 +53,14 @@ from typing import Iterable, Optional
 
 import numpy as np
 
-from .chat_template import IM_END, THINK_END, THINK_START, TOOL_CALL_END, TOOL_CALL_START
-from .tool_calls import MAX_JSON_DEPTH, MAX_NUMBER_DIGITS, ToolCallParseError, parse_assistant_turn
+from ..models.needle.chat_template import IM_END, THINK_END, THINK_START, TOOL_CALL_END, TOOL_CALL_START
+from ..tools.tool_calls import MAX_JSON_DEPTH, MAX_NUMBER_DIGITS, ToolCallParseError, parse_assistant_turn
 
 IGNORE_INDEX = -100  # label of a position outside the loss (transformers' convention)
 
 #: The fields of one example; any other key is refused (a misspelt ``answers`` would train "no tool").
 EXAMPLE_FIELDS = ("query", "tools", "answers", "function_calls", "system", "reasoning")
+_ANSWER_FIELD_STEMS = ("answer", "function_call")  # a field whose name reduces to one of these is a misspelling
 _BOM = b"\xef\xbb\xbf"
 _EXCERPT_CHARS = 60
 _INT_BOUND = 10 ** MAX_NUMBER_DIGITS
@@ -181,19 +182,24 @@ def _check_value(value, where: str, field: str, depth: int = 0) -> None:
         raise FinetuneDataError(f"{where}: field '{field}': expected a JSON value, found {type(value).__name__}")
 
 
+def _json_text(text: str, where: str, field: str, *, expected: str) -> object:
+    """The value a field given as JSON text holds, checked like a value of the line itself."""
+    try:
+        value = _DECODER.decode(text)
+    except json.JSONDecodeError as error:
+        raise FinetuneDataError(
+            f"{where}: field '{field}': a string that is not JSON ({error.msg} at column {error.colno}); expected {expected}"
+        ) from None
+    except (RecursionError, ValueError):
+        value = _decode_json(text, f"{where}: field '{field}'")
+    _check_value(value, where, field)
+    return value
+
+
 def _tool_schemas(tools, where: str) -> list:
     """The schema list of an example's ``tools`` (a list, or its JSON string), checked."""
     if isinstance(tools, str):
-        try:
-            tools = _DECODER.decode(tools)
-        except json.JSONDecodeError as error:
-            raise FinetuneDataError(
-                f"{where}: field 'tools': a string that is not JSON ({error.msg} at column {error.colno}); "
-                "expected a list of schema objects or its JSON text"
-            ) from None
-        except (RecursionError, ValueError):
-            tools = _decode_json(tools, f"{where}: field 'tools'")
-        _check_value(tools, where, "tools")
+        tools = _json_text(tools, where, "tools", expected="a list of schema objects or its JSON text")
     if not isinstance(tools, list) or not all(isinstance(tool, dict) for tool in tools):
         raise FinetuneDataError(f"{where}: field 'tools': expected a list of schema objects (or its JSON text), "
                                 f"found {_excerpt(tools)}")
@@ -243,13 +249,16 @@ def _check_example(example, where: str, *, offered_tools_only: bool = True) -> l
     """
     if not isinstance(example, dict):
         raise FinetuneDataError(f"{where}: expected a JSON object, found {type(example).__name__}")
-    unknown = [key for key in example if key not in EXAMPLE_FIELDS]
-    if unknown:
-        raise FinetuneDataError(f"{where}: unknown field {_excerpt(unknown[0])}; expected only {', '.join(EXAMPLE_FIELDS)}")
+    # Other fields are ignored, as the reference's reader ignores them (rows often carry an id or a
+    # source); a misspelling of the answers' field is not, since it would train "no tool applies".
+    misspelt = [key for key in example if key not in EXAMPLE_FIELDS and key.lower().rstrip("s") in _ANSWER_FIELD_STEMS]
+    if misspelt:
+        raise FinetuneDataError(f"{where}: unknown field {_excerpt(misspelt[0])}; expected 'answers' or 'function_calls'")
     if "answers" in example and "function_calls" in example:
         raise FinetuneDataError(f"{where}: fields 'answers' and 'function_calls' both given; expected one of them")
     for field, value in example.items():
-        _check_value(value, where, field)
+        if field in EXAMPLE_FIELDS:
+            _check_value(value, where, field)
     if not isinstance(example.get("query"), str):
         found = "nothing" if "query" not in example else _excerpt(example["query"])
         raise FinetuneDataError(f"{where}: field 'query': expected a string, found {found}")
@@ -259,6 +268,8 @@ def _check_example(example, where: str, *, offered_tools_only: bool = True) -> l
             raise FinetuneDataError(f"{where}: field '{field}': expected a string, found {_excerpt(example[field])}")
     field = "answers" if "answers" in example else "function_calls"
     answers = example.get(field, [])
+    if isinstance(answers, str):  # the reference's reader takes the list's JSON text too
+        answers = _json_text(answers, where, field, expected="a list of calls or its JSON text")
     if not isinstance(answers, list):
         raise FinetuneDataError(f"{where}: field '{field}': expected a list of calls, found {_excerpt(answers)}")
     for index, call in enumerate(answers):

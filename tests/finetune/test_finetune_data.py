@@ -123,6 +123,23 @@ def _line(arguments: str = "{}", name: str = "a", tools: str = f"[{_TOOL}]", ext
     return f'{{"query":"q","tools":{tools},"answers":[{{"name":"{name}","arguments":{arguments}}}]{extra}}}'.encode()
 
 
+def test_reference_rows_load_as_the_reference_reads_them(tmp_path):
+    """What the reference's reader takes loads here too: the answers as their JSON text, and fields
+    it ignores (an id, a source) ignored."""
+    calls = [{"name": "a", "arguments": {"x": 1}}]
+    tools = [{"name": "a", "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}}}]
+    rows = [
+        {"query": "q", "tools": tools, "answers": calls},
+        {"query": "q", "tools": tools, "answers": json.dumps(calls)},
+        {"id": 17, "source": "generated", "query": "q", "tools": tools, "answers": calls},
+    ]
+    path = tmp_path / "reference.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    dataset = load_finetune_dataset(path)
+    assert len(dataset) == 3
+    assert dataset[0]["messages"] == dataset[1]["messages"] == dataset[2]["messages"]
+
+
 @pytest.mark.parametrize("data, problem", [
     (b'{"query":"caf\xe9","answers":[]}', "not UTF-8 text (byte 0xe9"),
     (_line('{"x":' + "[" * 100_000 + "]" * 100_000 + "}"), "nests deeper than 64 levels"),
