@@ -20,14 +20,14 @@ ALL_OPTIONS_NATIVE_CONFIG = dict(
     vocab_size=300, d_model=48, num_heads=4, num_kv_heads=2, num_layers=5, qk_head_dim=6, v_head_dim=10,
     max_seq_len=64, engram_orders=(2, 3), engram_heads=2, engram_seed_heads=3, engram_slots=97,
     engram_layers=(1, 3), global_layers=(2,), sliding_window=3, ladder_widths=(24,), mhc_lanes=3,
-    qkv_conv_taps=3, out_vocab=280, dtype="float32", embedding_dim=16, embedding_probes=2,
+    qkv_conv_taps=3, out_vocab=280, dtype="float32", remat=False, embedding_dim=16, embedding_probes=2,
     embedding_queries=3, confidence_probes=3, confidence_queries=2, router_probes=2, router_queries=2,
 )
 # Needle 2-style plain attention: no window, no taps, no seed stride, no out_vocab cut.
 PLAIN_NATIVE_CONFIG = dict(
     vocab_size=200, d_model=32, num_heads=4, num_kv_heads=4, num_layers=2, qk_head_dim=8, v_head_dim=8,
     max_seq_len=64, engram_layers=(0,), engram_slots=31, global_layers=(), sliding_window=0,
-    qkv_conv_taps=0, mhc_lanes=2, dtype="float32",
+    qkv_conv_taps=0, mhc_lanes=2, dtype="float32", remat=False,
 )
 
 
