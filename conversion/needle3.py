@@ -201,7 +201,7 @@ def convert_needle3(
                          pad_token_id=config.pad_token_id).save_pretrained(str(staging))
         del model
         progress("verifying: logits of the written folder against the checkpoint's")
-        written, info = AutoModelForCausalLM.from_pretrained(str(staging), torch_dtype=torch.float32, output_loading_info=True)
+        written, info = AutoModelForCausalLM.from_pretrained(str(staging), dtype=torch.float32, output_loading_info=True)
         problems = {kind: names for kind, names in info.items() if names}
         if problems:
             raise Needle3ConversionError(f"{staging}: the written folder does not load exactly: {problems}")

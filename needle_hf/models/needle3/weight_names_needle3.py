@@ -162,6 +162,11 @@ def weight_specs(config) -> list:
     return specs
 
 
+def _contiguous(value: np.ndarray) -> np.ndarray:
+    """A C-contiguous array of the same shape (`np.ascontiguousarray` would make a scalar 1-d)."""
+    return np.ascontiguousarray(value) if value.ndim else value.copy()
+
+
 def heads_in_native(flat: Mapping[str, np.ndarray]) -> dict:
     """`use_<head>_head` flags for the heads whose tensors a native flat checkpoint holds."""
     return {f"use_{name}_head": any(key.startswith(f"{name}_head/") for key in flat) for name in HEAD_NAMES}
@@ -191,7 +196,7 @@ def native_to_hf(flat: Mapping[str, np.ndarray], config, *, source: str = "check
             value = value[spec.layer]
         if spec.transpose:
             value = value.T
-        out[spec.hf_name] = np.ascontiguousarray(value)
+        out[spec.hf_name] = _contiguous(value)
     return out
 
 
@@ -214,4 +219,4 @@ def hf_to_native(state: Mapping[str, np.ndarray], config) -> dict:
             per_path[spec.native_path] = value
         else:
             per_path.setdefault(spec.native_path, [None] * config.num_hidden_layers)[spec.layer] = value
-    return {path: np.ascontiguousarray(np.stack(v) if isinstance(v, list) else v) for path, v in per_path.items()}
+    return {path: _contiguous(np.stack(v) if isinstance(v, list) else v) for path, v in per_path.items()}
