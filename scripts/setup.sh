@@ -60,7 +60,7 @@ setup_v5() {
     pip_quiet .venv-v5/bin/python -m pip install "$TORCH" "transformers>=5,<6" "huggingface_hub>=1.0" \
         safetensors tokenizers sentencepiece protobuf jinja2 numpy pytest psutil "$REFERENCE" \
         "datasets==5.2.0" $FINETUNE \
-        "llguidance==1.9.1" "jsonschema>=4.20"
+        "llguidance==1.9.1" "jsonschema>=4.20" "hypothesis>=6"
     rm -f .venv-v5/.needle-setup-*
     touch .venv-v5/.needle-setup-$STAMP
 }
@@ -84,7 +84,7 @@ setup_n3() {
     [ -x .venv-n3/bin/python ] || "$PYTHON" -m venv .venv-n3
     pip_quiet .venv-n3/bin/python -m pip install --upgrade pip
     pip_quiet .venv-n3/bin/python -m pip install "$TORCH" "transformers==4.57.6" "$REFERENCE_N3" \
-        "jax>=0.4.30" "flax>=0.10" numpy safetensors sentencepiece "huggingface_hub<1.0" pytest psutil hypothesis
+        "jax>=0.4.30" "flax>=0.10" numpy safetensors sentencepiece "huggingface_hub<1.0" pytest psutil "hypothesis>=6"
     editable pip_quiet .venv-n3/bin/python -m pip install --no-deps -e .
     rm -f .venv-n3/.needle-setup-*
     touch .venv-n3/.needle-setup-$STAMP

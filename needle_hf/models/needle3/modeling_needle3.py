@@ -347,9 +347,13 @@ class Needle3MonarchMLP(nn.Module):
         self.diag_out = nn.Parameter(torch.full((size,), 0.02))
         self.gain_in_proj = nn.Linear(config.hidden_size, rank, bias=False)  # cond_v
         self.gain_out_proj = nn.Linear(rank, size, bias=False)  # cond_u
-        first, second = mlp_permutations(config)
-        self.register_buffer("permutation_1", torch.from_numpy(first).long(), persistent=False)
-        self.register_buffer("permutation_2", torch.from_numpy(second).long(), persistent=False)
+        for name, table in self.constant_tables().items():
+            self.register_buffer(name, torch.from_numpy(table), persistent=False)
+
+    def constant_tables(self) -> dict:
+        """The fixed permutations (int64 [W] each), as non-persistent buffers."""
+        first, second = mlp_permutations(self.config)
+        return {"permutation_1": first.astype(np.int64), "permutation_2": second.astype(np.int64)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [B, T, D] -> [B, T, D]."""
@@ -395,9 +399,13 @@ class Needle3DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = Needle3RMSNorm(d, eps)
         self.mlp = Needle3MonarchMLP(config)
         self.hyper_connection = Needle3HyperConnection(config)
-        pre, post = hyper_connection_offsets(config.num_hidden_layers, config.hyper_connection_lanes)
-        self.register_buffer("pre_offset", torch.from_numpy(pre[layer_idx]), persistent=False)
-        self.register_buffer("post_offset", torch.from_numpy(post[layer_idx]), persistent=False)
+        for name, table in self.constant_tables().items():
+            self.register_buffer(name, torch.from_numpy(table), persistent=False)
+
+    def constant_tables(self) -> dict:
+        """Lane ownership offsets of this layer's routing (float32 [L] each)."""
+        pre, post = hyper_connection_offsets(self.config.num_hidden_layers, self.config.hyper_connection_lanes)
+        return {"pre_offset": pre[self.layer_idx].copy(), "post_offset": post[self.layer_idx].copy()}
 
     def block(self, x: torch.Tensor, step: Needle3StepInputs) -> torch.Tensor:
         """x [B, T, D] -> [B, T, D]: engram read, gated attention, Monarch MLP."""
@@ -510,14 +518,22 @@ class Needle3EmbeddingHead(Needle3ProbeHead):
 @dataclass
 class Needle3ModelOutput(ModelOutput):
     last_hidden_state: Optional[torch.Tensor] = None
-    past_key_values: Optional[Needle3Cache] = None
+    cache: Optional[Needle3Cache] = None
     hidden_states: Optional[tuple] = None
+
+    @property
+    def past_key_values(self) -> Optional[Needle3Cache]:
+        return self.cache
 
 
 @dataclass
 class Needle3CausalLMOutput(ModelOutput):
+    """`cache` is the field `generate` reads back from transformers 5.24 on, `past_key_values` the one
+    before: both hold the same `Needle3Cache`."""
+
     loss: Optional[torch.Tensor] = None
     logits: Optional[torch.Tensor] = None
+    cache: Optional[Needle3Cache] = None
     past_key_values: Optional[Needle3Cache] = None
     hidden_states: Optional[tuple] = None
 
@@ -552,6 +568,11 @@ class Needle3PreTrainedModel(PreTrainedModel):
         elif isinstance(module, Needle3MonarchMLP):
             # Applied after its children (nn.Module.apply order): the gain starts at exactly 1.
             nn.init.zeros_(module.gain_out_proj.weight)
+        # Constant tables are non-persistent buffers: transformers 5 builds the model on the meta
+        # device and leaves their values to this hook.
+        with torch.no_grad():
+            for name, table in module.constant_tables().items() if hasattr(module, "constant_tables") else ():
+                getattr(module, name).copy_(torch.from_numpy(table))
 
 
 class Needle3Model(Needle3PreTrainedModel):
@@ -563,9 +584,13 @@ class Needle3Model(Needle3PreTrainedModel):
         self.layers = nn.ModuleList(Needle3DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.engrams = nn.ModuleList(Needle3Engram(config) for _ in config.engram_layers)
         self.norm = Needle3RMSNorm(config.hidden_size, config.rms_norm_eps)
-        inverse = rope_inverse_frequencies(config.head_dim, config.rope_theta)
-        self.register_buffer("rope_inverse_frequencies", torch.from_numpy(inverse), persistent=False)
+        for name, table in self.constant_tables().items():
+            self.register_buffer(name, torch.from_numpy(table), persistent=False)
         self.post_init()
+
+    def constant_tables(self) -> dict:
+        """RoPE inverse frequencies (float32 [H/2])."""
+        return {"rope_inverse_frequencies": rope_inverse_frequencies(self.config.head_dim, self.config.rope_theta)}
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.embed_tokens
@@ -640,7 +665,7 @@ class Needle3Model(Needle3PreTrainedModel):
         cache.seen = past + length
         return Needle3ModelOutput(
             last_hidden_state=self.norm(lanes.mean(dim=2)),
-            past_key_values=cache if use_cache else None,
+            cache=cache if use_cache else None,
             hidden_states=tuple(hidden) if output_hidden_states else None,
         )
 
@@ -681,9 +706,14 @@ class Needle3ForCausalLM(Needle3PreTrainedModel, GenerationMixin):
         output_hidden_states: Optional[bool] = None,
         return_dict: Optional[bool] = None,
         cache_position: Optional[torch.LongTensor] = None,
+        cache: Optional[Needle3Cache] = None,
     ) -> Needle3CausalLMOutput:
         """Logits [B, T, out_vocab] float32; with `labels` [B, T] (-100 ignored) the next-token loss.
-        `cache_position`, when given (by `generate`), must continue the cache."""
+        The cache comes in as `past_key_values` or `cache` (transformers 5.24+'s name), not both;
+        `cache_position`, when given (by `generate`), must continue it."""
+        if cache is not None and past_key_values is not None and cache is not past_key_values:
+            raise ValueError("pass the cache once: as `past_key_values` or as `cache`")
+        past_key_values = past_key_values if past_key_values is not None else cache
         if cache_position is not None and past_key_values is not None and int(cache_position[0]) != past_key_values.seen:
             raise ValueError(f"cache_position starts at {int(cache_position[0])}, the cache holds {past_key_values.seen} positions")
         out = self.model(
@@ -693,11 +723,13 @@ class Needle3ForCausalLM(Needle3PreTrainedModel, GenerationMixin):
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100)
-        return Needle3CausalLMOutput(loss=loss, logits=logits, past_key_values=out.past_key_values, hidden_states=out.hidden_states)
+        return Needle3CausalLMOutput(loss=loss, logits=logits, cache=out.cache, past_key_values=out.cache,
+                                     hidden_states=out.hidden_states)
 
     def prepare_inputs_for_generation(self, input_ids, past_key_values=None, attention_mask=None, use_cache=None,
-                                      cache_position=None, **generation_state):
+                                      cache_position=None, cache=None, **generation_state):
         """The tokens the cache has not seen yet (all of them on the first step)."""
+        past_key_values = past_key_values if past_key_values is not None else cache
         if past_key_values is not None:
             input_ids = input_ids[:, past_key_values.seen :]
         return {"input_ids": input_ids, "attention_mask": attention_mask, "past_key_values": past_key_values,
