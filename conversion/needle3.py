@@ -149,7 +149,8 @@ def convert_needle3(
     Args:
         source_path: the checkpoint.
         out_dir: the folder to create (its parent must exist).
-        tokenizer: not supported yet for Needle 3 (an error, rather than a folder without it).
+        tokenizer: a Needle 3 SentencePiece `tokenizer.model` (16 chat markers) to convert and write beside
+            the weights, with the chat template.
         dtype: "float32" (default), "bfloat16" or "float16" for model.safetensors.
         overwrite: replace a non-empty `out_dir` (only once the new folder is complete).
         progress: called with one line per step.
@@ -159,18 +160,18 @@ def convert_needle3(
 
     import needle_hf
     from needle_hf.models.needle3.modeling_needle3 import Needle3ForCausalLM
+    from needle_hf.models.needle3.tokenization_needle3 import build_needle3_tokenizer
+    from needle_hf.tokenization_needle import check_vocab_matches, save_fast_tokenizer
     from needle_hf.models.needle3.weight_names_needle3 import native_to_hf
 
     started = time.perf_counter()
     progress = progress or (lambda _: None)
     source_path, out_dir = Path(source_path), Path(out_dir).absolute()
-    if tokenizer is not None:
-        raise Needle3ConversionError(
-            "Needle 3 tokenizer conversion (16 chat markers) is not supported yet: convert without --tokenizer")
     dtype = dtype or "float32"
     if dtype not in OUTPUT_DTYPES:
         raise Needle3ConversionError(f"dtype: expected one of {OUTPUT_DTYPES}, got {dtype!r}")
-    check_output_outside_inputs(out_dir, {"source": source_path}, command="convert")
+    inputs = {"source": source_path} if tokenizer is None else {"source": source_path, "tokenizer": Path(tokenizer)}
+    check_output_outside_inputs(out_dir, inputs, command="convert")
     clean_debris(out_dir)
     _check_output_dir(out_dir, overwrite=overwrite)
 
@@ -179,6 +180,11 @@ def convert_needle3(
     config = config_for_checkpoint(checkpoint, source=str(source_path))
     progress(f"Needle 3: {config.num_hidden_layers} layers, d={config.hidden_size}, vocab {config.vocab_size} "
              f"(head {config.output_vocab_size} rows); output dtype {dtype}")
+    fast_tokenizer = None
+    if tokenizer is not None:
+        progress(f"converting the tokenizer {tokenizer}")
+        fast_tokenizer = build_needle3_tokenizer(str(tokenizer), model_max_length=config.max_position_embeddings)
+        check_vocab_matches(fast_tokenizer, config.vocab_size, source=str(source_path))
     progress("mapping tensors to Hugging Face names")
     state = native_to_hf(checkpoint.flat, config, source=str(source_path))
     checkpoint.flat = None
@@ -199,6 +205,8 @@ def convert_needle3(
         model.to(getattr(torch, dtype)).save_pretrained(str(staging))
         GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
                          pad_token_id=config.pad_token_id).save_pretrained(str(staging))
+        if fast_tokenizer is not None:
+            save_fast_tokenizer(fast_tokenizer, str(staging))
         del model
         progress("verifying: logits of the written folder against the checkpoint's")
         written, info = AutoModelForCausalLM.from_pretrained(str(staging), dtype=torch.float32, output_loading_info=True)
@@ -218,6 +226,7 @@ def convert_needle3(
             "created_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "source": {"file": source_path.name, "format": "needle3-safetensors", "bytes": source_path.stat().st_size,
                        "step": checkpoint.step, "config": checkpoint.native_config},
+            "tokenizer": None if tokenizer is None else {"file": Path(tokenizer).name, "pieces": len(fast_tokenizer)},
             "output": {"dtype": dtype, "tensors": tensor_count, "parameters": parameters,
                        "safetensors_bytes": (staging / "model.safetensors").stat().st_size},
             "verification": {"max_abs_logit_diff": diff, "argmax_agreement": same_argmax,

@@ -5,7 +5,9 @@ of collection; the model tests (test_needle3_model.py) run everywhere."""
 
 from importlib import metadata
 
-REFERENCE_TESTS = ["test_needle3_parity.py", "test_needle3_conversion.py", "test_needle3_readme.py"]
+REFERENCE_TESTS = [
+    "test_needle3_parity.py", "test_needle3_conversion.py", "test_needle3_readme.py", "test_needle3_tokenizer.py",
+]
 
 try:
     _REFERENCE = metadata.version("cactus-needle")
