@@ -239,3 +239,71 @@ def convert_needle3(
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return report
+
+
+def export_needle3(hf_dir, out_path, *, dtype: Optional[str] = None, overwrite: bool = False, verify: bool = True,
+                   progress: Optional[Callable[[str], None]] = None) -> dict:
+    """Write the native Needle 3 checkpoint (`.safetensors`, format_version 2, the full config in its
+    metadata) of a Hugging Face Needle 3 folder; returns {tensors, parameters, bytes}.
+
+    Args:
+        hf_dir: the folder (config.json with model_type "needle3", one model.safetensors).
+        out_path: the `.safetensors` file to write (its parent must exist).
+        dtype: "float32" (default: float32 for every floating tensor) or "float16".
+        overwrite: replace an existing file at `out_path`.
+        verify: read the written file back and compare every tensor bit for bit.
+    """
+    from safetensors import safe_open
+    from safetensors.numpy import load_file, save_file
+
+    from needle_hf.models.needle3.configuration_needle3 import Needle3Config
+    from needle_hf.models.needle3.weight_names_needle3 import hf_to_native
+
+    from .atomic_output import check_output_file, publish_file
+
+    progress = progress or (lambda _: None)
+    hf_dir, out_path = Path(hf_dir), Path(out_path).absolute()
+    dtype = dtype or "float32"
+    if dtype not in ("float32", "float16"):
+        raise Needle3ConversionError(f"dtype: expected float32 or float16 for a Needle 3 checkpoint, got {dtype!r}")
+    weights = hf_dir / "model.safetensors"
+    if not weights.is_file():
+        raise Needle3ConversionError(f"{hf_dir}: no model.safetensors (a single-file Needle 3 folder is expected)")
+    check_output_file(out_path, {"Hugging Face folder": hf_dir}, command="export", kind=".safetensors",
+                      overwrite=overwrite, error=Needle3ConversionError)
+    progress(f"reading {hf_dir}")
+    config = Needle3Config.from_pretrained(str(hf_dir))
+    with safe_open(str(weights), framework="pt") as handle:
+        state = {name: handle.get_tensor(name).float().numpy().astype(dtype) for name in handle.keys()}
+    flat = hf_to_native(state, config)
+    del state
+    metadata = {
+        "format_version": str(CHECKPOINT_FORMAT_VERSION),
+        "config": json.dumps(config.to_needle_config()),
+        "step": "",
+        "run": json.dumps({"exported_by": "needle-hf", "source": str(hf_dir.absolute())}),
+    }
+    staging = staging_path(out_path)
+    progress(f"writing {out_path}")
+    try:
+        save_file(flat, str(staging), metadata=metadata)
+        if verify:
+            back = load_file(str(staging))
+            for name, value in flat.items():
+                if name not in back or back[name].dtype != value.dtype or not np.array_equal(back[name], value):
+                    raise Needle3ConversionError(f"{staging}: tensor {name} did not read back bit for bit")
+        publish_file(staging, out_path)
+    except BaseException:
+        staging.unlink(missing_ok=True)
+        raise
+    return {"tensors": len(flat), "parameters": sum(int(v.size) for v in flat.values()), "bytes": out_path.stat().st_size}
+
+
+def is_needle3_folder(path) -> bool:
+    """Whether `path` is a folder whose config.json names model_type "needle3"."""
+    config = Path(path) / "config.json"
+    try:
+        fields = json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        return False
+    return isinstance(fields, dict) and fields.get("model_type") == "needle3"

@@ -116,3 +116,26 @@ def test_plain_attention_checkpoint(tmp_path, one_cpu_thread):
     with torch.no_grad():
         logits = model(torch.from_numpy(tokens), use_cache=False).logits.numpy()
     assert np.abs(logits - reference_logits(PLAIN_NATIVE_CONFIG, params, tokens)).max() <= TOLERANCE
+
+
+def test_export_gives_back_the_reference_checkpoint(converted, tmp_path):
+    """`needle-hf export` of the converted folder: a checkpoint the reference's own loader reads, with
+    every tensor of the original, bit for bit, and the same resolved config."""
+    from needle.model.architecture import TransformerConfig
+    from needle.model.checkpoints import flatten
+    from needle.model.run import load_checkpoint
+
+    from needle_hf.cli import main
+
+    params, model, _ = converted
+    folder = tmp_path / "hf"
+    model.save_pretrained(folder)
+    assert main(["export", str(folder), str(tmp_path / "back.safetensors")]) == 0
+    loaded, config = load_checkpoint(str(tmp_path / "back.safetensors"))
+    original, back = flatten(params), flatten(loaded)
+    assert set(back) == set(original)
+    assert all(np.array_equal(back[name], original[name]) for name in original)
+    expected = TransformerConfig.from_saved(dict(ALL_OPTIONS_NATIVE_CONFIG))
+    for field in ("d_model", "num_heads", "num_kv_heads", "qk_head_dim", "v_head_dim", "sliding_window", "global_layers",
+                  "engram_seed_heads", "engram_layers", "qkv_conv_taps", "out_vocab", "ladder_widths", "mhc_lanes"):
+        assert getattr(config, field) == getattr(expected, field), field

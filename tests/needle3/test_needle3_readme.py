@@ -1,5 +1,6 @@
-"""The README's Needle 3 section runs as written: its `needle-hf convert` line through the CLI, then its
-Python block, on a checkpoint written by the reference; the block's greedy tokens are the reference's."""
+"""The README's Needle 3 section runs as written: its `needle-hf` lines through the CLI, then its Python
+block, on a checkpoint written by the reference and a tokenizer trained with Needle 3's settings; the
+block's greedy tokens are the reference's `run.generate` tokens for the same prompt ids."""
 
 from __future__ import annotations
 
@@ -9,38 +10,50 @@ import re
 import shlex
 from pathlib import Path
 
+from needle.model.tokenizer import CHAT_MARKERS
+
 from needle3_reference import ALL_OPTIONS_NATIVE_CONFIG, make_native_params, reference_greedy, write_reference_checkpoint
+from needle_hf.conversion.needle3 import is_needle3_checkpoint
+from spm_fixture import train_needle_spm
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 BLOCK_START = "# Needle 3"
 
 
-def needle3_section() -> tuple[str, str]:
-    """(the convert command line, the Python block) of the README's Needle 3 section."""
+def needle3_section() -> tuple[list[list[str]], str]:
+    """(the `needle-hf` command lines as argv lists, the Python block) of the README's Needle 3 section."""
     text = README.read_text(encoding="utf-8")
     section = text[text.index("## Needle 3\n") :]
     section = section[: section.index("\n## ", 1)]
-    command = re.search(r"^```bash\n(needle-hf convert [^\n]+)\n```", section, flags=re.MULTILINE).group(1)
+    bash = re.search(r"^```bash\n(.*?)^```", section, flags=re.DOTALL | re.MULTILINE).group(1)
+    commands = [shlex.split(line, comments=True)[1:] for line in bash.splitlines() if line.startswith("needle-hf ")]
     block = re.search(r"^```python\n(.*?)^```", section, flags=re.DOTALL | re.MULTILINE).group(1)
-    assert block.startswith(BLOCK_START)
-    return command, block
+    assert block.startswith(BLOCK_START) and commands
+    return commands, block
 
 
 def test_readme_needle3_section_converts_and_generates(tmp_path, monkeypatch, one_cpu_thread):
     from needle_hf.cli import main
 
-    command, block = needle3_section()
+    commands, block = needle3_section()
+    convert, export = commands
+    assert convert[:3] == ["convert", "needle3.safetensors", "needle3-hf"] and export[0] == "export"
     params = make_native_params(ALL_OPTIONS_NATIVE_CONFIG, seed=3)
-    argv = shlex.split(command)[1:]
-    write_reference_checkpoint(tmp_path / argv[1], params, ALL_OPTIONS_NATIVE_CONFIG)
+    write_reference_checkpoint(tmp_path / "needle3.safetensors", params, ALL_OPTIONS_NATIVE_CONFIG)
+    model_path = train_needle_spm(tmp_path / "spm", vocab_size=ALL_OPTIONS_NATIVE_CONFIG["vocab_size"],
+                                  user_defined_symbols=list(CHAT_MARKERS))
+    Path(model_path).rename(tmp_path / "tokenizer.model")
     monkeypatch.chdir(tmp_path)
-    assert main(argv) == 0
+    for argv in commands:
+        assert main(argv) == 0, argv
+    assert is_needle3_checkpoint(tmp_path / export[2])
 
     namespace: dict = {}
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         exec(compile(block, str(README), "exec"), namespace)  # noqa: S102  (the README's own code)
-    prompt = namespace["ids"][0, 1:].tolist()
-    new_tokens = namespace["out"].shape[1] - namespace["ids"].shape[1]
-    expected = reference_greedy(ALL_OPTIONS_NATIVE_CONFIG, params, prompt, max_new_tokens=new_tokens)
+    prompt_ids = namespace["inputs"]["input_ids"][0].tolist()
+    assert prompt_ids[0] == 2 and 4 in prompt_ids and 8 in prompt_ids  # BOS, <|im_start|>, <tools>
+    new_tokens = namespace["out"].shape[1] - len(prompt_ids)
+    expected = reference_greedy(ALL_OPTIONS_NATIVE_CONFIG, params, prompt_ids[1:], max_new_tokens=new_tokens)
     assert printed.getvalue().splitlines()[0] == str(expected)
