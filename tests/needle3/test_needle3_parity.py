@@ -139,3 +139,19 @@ def test_export_gives_back_the_reference_checkpoint(converted, tmp_path):
     for field in ("d_model", "num_heads", "num_kv_heads", "qk_head_dim", "v_head_dim", "sliding_window", "global_layers",
                   "engram_seed_heads", "engram_layers", "qkv_conv_taps", "out_vocab", "ladder_widths", "mhc_lanes"):
         assert getattr(config, field) == getattr(expected, field), field
+
+
+def test_flax_twin_reproduces_reference_logits(converted, tokens, tmp_path):
+    """The Flax twin reads the same PyTorch-layout folder, with padding in the second row."""
+    from needle_hf.models.needle3.modeling_flax_needle3 import FlaxNeedle3ForCausalLM
+
+    params, model, _ = converted
+    model.save_pretrained(tmp_path)
+    flax_model = FlaxNeedle3ForCausalLM.from_pretrained(str(tmp_path))
+    expected = reference_logits(ALL_OPTIONS_NATIVE_CONFIG, params, tokens)
+    assert np.abs(np.asarray(flax_model(tokens)) - expected).max() <= TOLERANCE
+    mask = np.ones_like(tokens)
+    mask[1, :3] = 0
+    with torch.no_grad():
+        torch_logits = model(torch.from_numpy(tokens), attention_mask=torch.from_numpy(mask), use_cache=False).logits
+    assert np.abs(np.asarray(flax_model(tokens, attention_mask=mask)) - torch_logits.numpy()).max() <= TOLERANCE
