@@ -728,7 +728,9 @@ class Needle3ForCausalLM(Needle3PreTrainedModel, GenerationMixin):
 
     def prepare_inputs_for_generation(self, input_ids, past_key_values=None, attention_mask=None, use_cache=None,
                                       cache_position=None, cache=None, **generation_state):
-        """The tokens the cache has not seen yet (all of them on the first step)."""
+        """The tokens the cache has not seen yet (all of them on the first step). The rest of
+        `generate`'s bookkeeping (`position_ids` and the like) does not apply: positions follow
+        the cache, as in the reference."""
         past_key_values = past_key_values if past_key_values is not None else cache
         if past_key_values is not None:
             input_ids = input_ids[:, past_key_values.seen :]
