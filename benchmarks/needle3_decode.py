@@ -4,7 +4,10 @@ weights, float32, batch 1): the PyTorch model's cached greedy decode beside the 
 Python generation decodes), and the read bound: the bytes a step must read (every parameter except
 the engram tables, of which a step reads only its rows) over the machine's measured copy bandwidth.
 
-    OMP_NUM_THREADS=2 .venv-n3/bin/python benchmarks/needle3_decode.py [--prompt 64] [--new 32]
+    OMP_NUM_THREADS=1 .venv-n3/bin/python benchmarks/needle3_decode.py [--prompt 64] [--new 32]
+
+One torch thread: on a shared small CPU, OpenMP wake-ups cost more than these small products (a
+decode step took 11 s on two threads under load, 0.23 s on one).
 """
 
 from __future__ import annotations
