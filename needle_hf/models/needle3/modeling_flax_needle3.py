@@ -125,9 +125,6 @@ class FlaxNeedle3Layer(nn.Module):
     layer_idx: int
     dtype: jnp.dtype = jnp.float32
 
-    def _weight(self, path: str, shape):
-        return self.param(path, _normal, shape)
-
     @nn.compact
     def __call__(self, lanes, key_mask, positions, engram_kv):
         cfg, i = self.config, self.layer_idx
@@ -279,8 +276,7 @@ class FlaxNeedle3ForCausalLM(FlaxPreTrainedModel):
         from safetensors.numpy import load_file
 
         config = Needle3Config.from_pretrained(folder)
-        backbone = [spec for spec in weight_specs(config) if not spec.hf_name.endswith(tuple(
-            f"{head}_head" for head in ("embedding", "confidence", "router"))) and "_head." not in spec.hf_name]
+        backbone = [spec for spec in weight_specs(config) if "_head." not in spec.hf_name]
         state = load_file(os.path.join(folder, "model.safetensors"))
         state = {name: value for name, value in state.items() if "_head." not in name}
         expected = {spec.hf_name: spec.hf_shape for spec in backbone}
