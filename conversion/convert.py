@@ -322,6 +322,16 @@ def convert(
         A `ConversionResult` (counts, seconds and the report written to `conversion_report.json`).
     """
     started = time.perf_counter()
+    from .needle3 import convert_needle3, is_needle3_checkpoint
+
+    if is_needle3_checkpoint(source_path):  # a Needle 3 `.safetensors` checkpoint: its own converter
+        if verify_with not in (None, "auto", "torch"):
+            raise ConversionError(f"verify_with={verify_with!r}: Needle 3 conversions verify with the PyTorch model")
+        report = convert_needle3(source_path, out_dir, tokenizer=tokenizer, dtype=dtype, overwrite=overwrite,
+                                 progress=progress)
+        output = report["output"]
+        return ConversionResult(Path(out_dir).absolute(), output["tensors"], output["parameters"],
+                                output["safetensors_bytes"], time.perf_counter() - started, report)
     progress = progress or _silent
     out_dir = Path(out_dir).absolute()
     inputs = {"source": Path(source_path)}

@@ -225,6 +225,11 @@ def export_native(
     hf_dir, out_path = Path(hf_dir), Path(out_path).absolute()
     if not hf_dir.is_dir():
         raise ExportError(f"{hf_dir} is not a folder; expected a saved Hugging Face Needle folder")
+    from .needle3 import export_needle3, is_needle3_folder
+
+    if is_needle3_folder(hf_dir):  # Needle 3 goes back to its own format, a .safetensors checkpoint
+        facts = export_needle3(hf_dir, out_path, dtype=dtype, overwrite=overwrite, verify=verify, progress=progress)
+        return ExportResult(out_path, facts["tensors"], facts["parameters"], facts["bytes"], time.perf_counter() - started)
     inputs = {"Hugging Face folder": hf_dir}
     check_output_file(out_path, inputs, command="export", kind=".pkl", overwrite=overwrite, error=ExportError)
     cast_to = None if dtype is None else numpy_dtype(dtype)

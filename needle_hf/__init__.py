@@ -214,3 +214,8 @@ def _register_auto_classes():
 
 
 _register_auto_classes()
+
+# Needle 3 (needle_hf/models/needle3): its own config and model classes, registered the same deferred way.
+from .models.needle3 import register as _register_needle3  # noqa: E402
+
+_register_needle3()

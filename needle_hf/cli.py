@@ -47,7 +47,7 @@ def _progress(command: str) -> Callable[[str], None]:
 
 
 def _add_convert_arguments(parser: argparse.ArgumentParser):
-    parser.add_argument("source", metavar="SRC", help="a native checkpoint (.pkl) or a .cact blob (recognised by content)")
+    parser.add_argument("source", metavar="SRC", help="a native checkpoint (.pkl), a .cact blob or a Needle 3 .safetensors checkpoint (recognised by content)")
     parser.add_argument("out_dir", metavar="OUT_DIR", help="the Hugging Face folder to create")
     parser.add_argument("--tokenizer", metavar="TOKENIZER_MODEL",
                         help="SentencePiece tokenizer.model (default: the tokenizer embedded in a .cact)")

