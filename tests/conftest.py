@@ -2,16 +2,18 @@
 the collection rule of the transformers 5 run, and session fixtures."""
 
 import ast
+import importlib.metadata
 import os
 import sys
 from pathlib import Path
 
 import pytest
-import transformers
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "support"))
 
-TRANSFORMERS_MAJOR = int(transformers.__version__.split(".")[0])
+# Read from the installed metadata: importing transformers here would load huggingface_hub's
+# constants before hub_fixtures points them at the local Hub.
+TRANSFORMERS_MAJOR = int(importlib.metadata.version("transformers").split(".")[0])
 
 
 def _module_markers(path: Path) -> set[str]:
