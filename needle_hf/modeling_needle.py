@@ -1434,6 +1434,8 @@ class NeedlePreTrainedModel(PreTrainedModel):
         )
         unused = NeedleModel._unused_checkpoint_prefixes if without_heads else ()
         _raise_unless_exact(model, loading_info, pretrained_model_name_or_path, unused_prefixes=unused)
+        if hasattr(model, "freeze_mtp_head"):
+            model.freeze_mtp_head()  # transformers 5.x loads parameters anew, trainable
         return (model, loading_info) if wants_loading_info else model
 
 
@@ -1897,6 +1899,16 @@ class NeedleForCausalLM(NeedlePreTrainedModel, GenerationMixin):
         self.confidence_head = NeedleConfidenceHead(config) if config.use_confidence_head else None
         self.post_init()  # ties lm_head.weight to model.embed_tokens.weight
         self._register_load_state_dict_pre_hook(_fill_tied_alias, with_module=True)  # public from torch 2.5
+        self.freeze_mtp_head()
+
+    def freeze_mtp_head(self) -> None:
+        """Fine-tuning leaves the MTP head as it is, as the reference's does (its loss is the next-token
+        loss, its adapters sit in the backbone): the head is frozen on construction and loading, so
+        Trainer and PEFT count it as not trainable and every trainable weight gets a gradient from the
+        default loss. ``model.mtp.requires_grad_()`` trains it (with `NeedleLossMixin(mtp_loss_weight > 0)`,
+        whose loss reaches it)."""
+        if self.mtp is not None:
+            self.mtp.requires_grad_(False)
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.model.embed_tokens
