@@ -37,7 +37,7 @@ setup_main() {
     [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
     pip_quiet .venv/bin/python -m pip install --upgrade pip
     pip_quiet .venv/bin/python -m pip install "$TORCH" "transformers==4.57.6" "$REFERENCE" \
-        "jax>=0.4.30" "flax>=0.10" "huggingface_hub<1.0" pytest psutil sentencepiece "${ONNX[@]}"
+        "jax>=0.4.30" "flax>=0.10" "huggingface_hub<1.0" pytest psutil hypothesis sentencepiece "${ONNX[@]}"
     editable pip_quiet .venv/bin/python -m pip install -e ".[flax,torch,grammar,test,finetune]" "$TORCH" "transformers==4.57.6" \
         "huggingface_hub<1.0" "datasets==5.0.1" $FINETUNE
     # xgrammar only for benchmarks/grammar.py; without its deps, which would add triton beside CPU torch.
@@ -52,7 +52,7 @@ setup_v5() {
     [ -x .venv-v5/bin/python ] || "$PYTHON" -m venv .venv-v5
     pip_quiet .venv-v5/bin/python -m pip install --upgrade pip
     pip_quiet .venv-v5/bin/python -m pip install "$TORCH" "transformers>=5,<6" "huggingface_hub>=1.0" \
-        safetensors tokenizers sentencepiece protobuf jinja2 numpy pytest psutil "$REFERENCE" \
+        safetensors tokenizers sentencepiece protobuf jinja2 numpy pytest psutil hypothesis "$REFERENCE" \
         "datasets==5.2.0" $FINETUNE \
         "llguidance==1.9.1" "jsonschema>=4.20"
     rm -f .venv-v5/.needle-setup-*
