@@ -343,6 +343,69 @@ def segment_ids_from_cu_seq_lens(cu_seq_lens: torch.Tensor, length: int) -> torc
     return (torch.searchsorted(cu_seq_lens[1:], positions, right=True))[None]
 
 
+@dataclass(frozen=True)
+class PackedLayout:
+    """Where the tokens of a packed batch sit when its sequences are laid out one per row for attention.
+
+    index: [N, L] flat position (b * S + t) of each sequence's tokens, N sequences of up to L tokens
+    (0 where a sequence is shorter); inverse: [B * S] place of each token in the [N * L] layout.
+    Attention over [N, L] rows costs sum-over-sequences L^2 rather than S^2 per packed row.
+    """
+
+    index: torch.Tensor
+    inverse: torch.Tensor
+
+    @classmethod
+    def of(cls, segment_ids: torch.Tensor) -> "PackedLayout":
+        batch, length = segment_ids.shape
+        device = segment_ids.device
+        flat_segments = (segment_ids + torch.arange(batch, device=device)[:, None] * length).flatten()  # [B * S]
+        _, sequence, counts = torch.unique_consecutive(flat_segments, return_inverse=True, return_counts=True)
+        starts = counts.cumsum(0) - counts
+        offsets = torch.arange(batch * length, device=device) - starts[sequence]
+        longest = int(counts.max())
+        inverse = sequence * longest + offsets  # [B * S]
+        index = torch.zeros(counts.numel() * longest, dtype=torch.long, device=device)
+        index[inverse] = torch.arange(batch * length, device=device)
+        return cls(index=index.view(-1, longest), inverse=inverse)
+
+    def attention_allowed(self, window: int = 0) -> torch.Tensor:
+        """Boolean [N, 1, L, L]: causal within each sequence, and always the query itself (the layout's
+        empty slots see only themselves, so their rows stay finite)."""
+        sequences, longest = self.index.shape
+        device = self.index.device
+        filled = torch.zeros(sequences * longest, dtype=torch.bool, device=device)
+        filled[self.inverse] = True
+        positions = torch.arange(longest, device=device)
+        causal = positions[None, :] <= positions[:, None]  # [L, L]
+        if window > 0:
+            causal = causal & (positions[:, None] - positions[None, :] < window)
+        itself = torch.eye(longest, dtype=torch.bool, device=device)
+        return ((causal[None] & filled.view(sequences, 1, longest)) | itself[None])[:, None]
+
+    def pack(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, heads, S, hd] -> [N, heads, L, hd]."""
+        batch, heads, length, width = x.shape
+        flat = x.transpose(1, 2).reshape(batch * length, heads, width)
+        return flat[self.index].transpose(1, 2)
+
+    def unpack(self, x: torch.Tensor, batch: int) -> torch.Tensor:
+        """[N, L, heads, hd] (an attention function's output) -> [B, S, heads, hd]."""
+        sequences, longest, heads, width = x.shape
+        return x.reshape(sequences * longest, heads, width)[self.inverse].view(batch, -1, heads, width)
+
+
+def packed_lookback(segment_ids: torch.Tensor, key_visible: torch.Tensor, width: int) -> torch.Tensor:
+    """`engram_lookback` of a packed batch without a cache: [B, S, width], whether token t sees t - k
+    (visible, and in the same sequence); segment_ids, key_visible: [B, S]."""
+    batch, length = segment_ids.shape
+    back = torch.arange(length, device=segment_ids.device)[:, None] - torch.arange(width, device=segment_ids.device)
+    earlier = back.clamp(min=0)[None].expand(batch, -1, -1)  # [B, S, W]
+    same = segment_ids.gather(1, earlier.reshape(batch, -1)).view(batch, length, width) == segment_ids[..., None]
+    visible = key_visible.gather(1, earlier.reshape(batch, -1)).view(batch, length, width)
+    return same & visible & (back >= 0)[None]
+
+
 def attention_sees_from_4d(attention_mask: torch.Tensor) -> torch.Tensor:
     """Boolean [B, Q, K] (True: the query attends the key) of a custom 4-D attention mask [B, 1, Q, K]:
     a boolean mask (True = attend) or an additive float one (0 = attend, a large negative number or
@@ -459,6 +522,8 @@ class NeedleStepInputs:
     engram_lookback: [B, S, engram_history + 1] bool, whether new token t sees the position k before it
         (`engram_lookback`), for packed sequences and 4-D masks; None: read from ``key_visible`` (a
         position sees every visible position before it).
+    packed_layout: a packed batch's sequences one per row (`PackedLayout`); attention then runs over
+        that layout, and ``attention_mask`` is its [N, 1, L, L] mask.
     """
 
     key_visible: torch.Tensor
@@ -471,6 +536,7 @@ class NeedleStepInputs:
     post_offsets: torch.Tensor
     attention_implementation: Optional[str] = None
     engram_lookback: Optional[torch.Tensor] = None
+    packed_layout: Optional[PackedLayout] = None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -560,6 +626,9 @@ class NeedleAttention(nn.Module):
 
         implementation = step.attention_implementation or self.config._attn_implementation
         attention = eager_attention_forward if implementation == "eager" else ALL_ATTENTION_FUNCTIONS[implementation]
+        layout = step.packed_layout
+        if layout is not None:  # packed sequences one per row: [N, heads, L, hd]
+            q, k, v = layout.pack(q), layout.pack(k), layout.pack(v)
         out, probs = attention(
             self,
             q,
@@ -570,6 +639,8 @@ class NeedleAttention(nn.Module):
             scaling=self.scaling,
             **attention_kwargs,
         )
+        if layout is not None:
+            out = layout.unpack(out, batch)  # [B, S, H, hd]
         out = out.reshape(batch, length, -1) * torch.sigmoid(gate)  # [B, S, attention_dim]
         out = quantize_activations(out, self.config)  # deploy numerics hook
         return self.o_proj(out), probs
@@ -1570,6 +1641,7 @@ class NeedleModel(NeedlePreTrainedModel):
         *,
         attention_window: int = 0,
         segment_ids: Optional[torch.Tensor] = None,
+        packed_attention: bool = True,
     ) -> NeedleStepInputs:
         """Masks, RoPE tables and constants of a forward call over ``length`` new tokens at ``cache_position``
         [S], attending over ``key_length`` keys (past + S, or a static cache's length);
@@ -1579,6 +1651,9 @@ class NeedleModel(NeedlePreTrainedModel):
         (`attention_sees_from_4d`; refused where the engram has no meaning, `check_engram_lookback`).
         segment_ids: [B, S] sequence index of each token of a packed batch (no cached tokens; see
         `NeedleModel.sequence_segments`): a token sees only the earlier tokens of its own sequence.
+        packed_attention: run a packed batch's attention over its sequences laid out one per row
+        (`PackedLayout`) rather than over [S, S] masks (False: attention probabilities are wanted
+        in the batch's own shape).
         """
         device, dtype = self.embed_tokens.weight.device, self.embed_tokens.weight.dtype
         past_length = cache_position[0]
@@ -1615,16 +1690,31 @@ class NeedleModel(NeedlePreTrainedModel):
                     f"text of shape {(batch, length)} without cached tokens (key length {key_length})"
                 )
             segment_ids = segment_ids.to(device)
+        traced = is_torchdynamo_compiling() or torch.compiler.is_exporting()
+        layout = None
+        if segment_ids is not None and sees is None and packed_attention and not traced \
+                and self.config._attn_implementation != "flex_attention":
+            layout = PackedLayout.of(segment_ids)
+        elif segment_ids is not None:
             same = segment_ids[:, :, None] == segment_ids[:, None, :]  # [B, S, S]
             causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()
             sees = (sees if sees is not None else causal[None] & key_visible[:, None, :]) & same
-        if position_ids is None:
+        if position_ids is None and segment_ids is not None:  # each packed sequence starts at 0
+            index = torch.arange(length, device=device).expand(batch, -1)
+            starts = torch.ones_like(segment_ids, dtype=torch.bool)
+            starts[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
+            position_ids = index - torch.cummax(torch.where(starts, index, 0), dim=1).values
+        elif position_ids is None:
             mask_2d = key_visible.long() if sees is not None else attention_mask
             position_ids = default_position_ids(mask_2d, past_length, length, batch, device)
         inverse_frequencies = self.constant("rope_inverse_frequencies", device, torch.float32)
         cos, sin = rotary_tables(position_ids.to(device), inverse_frequencies)  # [B, S, hd] each
-        allowed = attention_allowed(key_visible, past_length, length, group=1, window=attention_window)  # [B, 1, S, K]
         lookback = None
+        if layout is not None:
+            allowed = layout.attention_allowed(attention_window)  # [N, 1, L, L]
+            lookback = packed_lookback(segment_ids, key_visible, self.config.engram_history + 1)
+        else:
+            allowed = attention_allowed(key_visible, past_length, length, group=1, window=attention_window)  # [B, 1, S, K]
         if sees is not None:
             query_positions = torch.arange(length, device=device) + past_length
             itself = torch.arange(key_length, device=device)[None, :] == query_positions[:, None]  # [S, K]
@@ -1652,6 +1742,7 @@ class NeedleModel(NeedlePreTrainedModel):
             pre_offsets=self.constant("pre_offsets", device, torch.float32),
             post_offsets=self.constant("post_offsets", device, torch.float32),
             engram_lookback=lookback,
+            packed_layout=layout,
         )
 
     def sequence_segments(
@@ -1824,7 +1915,7 @@ class NeedleModel(NeedlePreTrainedModel):
             segments = self.sequence_segments(attention_mask, position_ids, cu_seq_lens_q, cu_seq_lens_k, length,
                                               past_length)
         step = self.step_inputs(batch, length, cache_position, key_length, attention_mask, position_ids,
-                                attention_window=window, segment_ids=segments)
+                                attention_window=window, segment_ids=segments, packed_attention=not output_attentions)
         hidden, all_hidden, all_attentions = self.forward_with_step_inputs(
             input_ids, step, cache, output_hidden_states=output_hidden_states, output_attentions=output_attentions,
             compiled_parts=compiled_parts,

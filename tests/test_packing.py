@@ -280,3 +280,18 @@ def test_trl_sft_trainer_padding_free_loss_equals_the_padded_loss(tmp_path, demo
                 assert all(torch.isfinite(torch.tensor(log["loss"])) for log in trainer.state.log_history if "loss" in log)
     for name in ("SFTTrainer", "NeedleSFTTrainer"):
         assert abs(losses[name, True] - losses[name, False]) <= TOLERANCE, losses
+
+
+def test_attention_probabilities_of_a_packed_row_stay_within_each_sequence():
+    """Asked for attention probabilities, a packed row attends over its own [S, S] mask (not over its
+    sequences laid out one per row): the same logits, and no weight across a boundary."""
+    model = perturbed_model("eager")
+    lengths = [6, 9]
+    _, packed = padded_and_packed(random_sequences(lengths, seed=9))
+    with torch.no_grad():
+        laid_out = model(input_ids=packed["input_ids"], position_ids=packed["position_ids"]).logits
+        dense = model(input_ids=packed["input_ids"], position_ids=packed["position_ids"], output_attentions=True)
+    torch.testing.assert_close(dense.logits, laid_out, rtol=0, atol=TOLERANCE)
+    for probabilities in dense.attentions:
+        assert probabilities.shape == (1, TINY["num_attention_heads"], 15, 15)
+        assert float(probabilities[..., 6:, :6].abs().max()) == 0.0
