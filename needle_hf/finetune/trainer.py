@@ -58,11 +58,16 @@ def needle_lora_config(*, rank: int = 8, alpha: float = 16.0, dropout: float = 0
     )
 
 
-def _shifted_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, shift: int, denominator) -> torch.Tensor:
+def _shifted_cross_entropy(
+    logits: torch.Tensor, labels: torch.Tensor, shift: int, denominator, position_ids: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """Sum of CE(logits[:, t], labels[:, t + shift]) over labelled targets, divided by ``denominator``.
 
-    logits [B, T, V] float32, labels [B, T] (-100 = no target).
+    logits [B, T, V] float32, labels [B, T] (-100 = no target); position_ids [B, T] of a packed batch:
+    a target at position < shift belongs to another sequence than the logit that would score it.
     """
+    if position_ids is not None:
+        labels = labels.masked_fill(position_ids.to(labels.device) < shift, IGNORE_INDEX)
     targets = labels[:, shift:].to(logits.device)
     scores = logits[:, :-shift].float()
     total = F.cross_entropy(
@@ -80,6 +85,7 @@ def needle_causal_lm_loss(
     mtp_logits: Optional[torch.Tensor] = None,
     mtp_loss_weight: float = 0.0,
     num_items_in_batch=None,
+    position_ids: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """The Needle fine-tuning loss (see the module docstring).
 
@@ -90,17 +96,19 @@ def needle_causal_lm_loss(
             ``mtp_loss_weight > 0``.
         num_items_in_batch: the next-token target count of the whole (accumulated) batch, from
             `Trainer`; None divides each term by its own target count in this batch.
+        position_ids: [B, T] of a packed (padding-free) batch, positions restarting at 0 for each
+            sequence: no term scores a target of the next sequence, so the loss is the padded batch's.
     Returns:
         scalar float32 loss.
     """
     _check_scores("logits", logits, labels)
     mtp_loss_weight = checked_option("mtp_loss_weight", mtp_loss_weight, low=0)
-    loss = _shifted_cross_entropy(logits, labels, 1, num_items_in_batch)
+    loss = _shifted_cross_entropy(logits, labels, 1, num_items_in_batch, position_ids)
     if mtp_loss_weight:
         if mtp_logits is None:
             raise ValueError("mtp_loss_weight > 0 needs mtp_logits (call the model with return_mtp_logits=True)")
         _check_scores("mtp_logits", mtp_logits, labels)
-        loss = loss + mtp_loss_weight * _shifted_cross_entropy(mtp_logits, labels, 2, num_items_in_batch)
+        loss = loss + mtp_loss_weight * _shifted_cross_entropy(mtp_logits, labels, 2, num_items_in_batch, position_ids)
     return loss
 
 
@@ -138,9 +146,13 @@ class NeedleLossMixin:
         inputs = dict(inputs)
         labels = inputs.pop("labels")
         confidence_mask, confidence_labels = inputs.pop("confidence_mask", None), inputs.pop("confidence_labels", None)
-        # TRL's collator adds bookkeeping columns the model does not take.
-        for name in ("completion_mask", "assistant_masks", "position_ids"):
+        # TRL's collator adds bookkeeping columns the model does not take. A padding-free batch keeps
+        # its position_ids (and varlen boundaries): they mark where each packed sequence starts.
+        for name in ("completion_mask", "assistant_masks"):
             inputs.pop(name, None)
+        if "attention_mask" in inputs:
+            inputs.pop("position_ids", None)  # a padded batch's positions follow from its mask
+        position_ids = inputs.get("position_ids")
         with_mtp = self.mtp_loss_weight > 0
         with_confidence = self.confidence_loss_weight > 0
         if with_confidence and confidence_labels is None:
@@ -149,7 +161,7 @@ class NeedleLossMixin:
         outputs = model(**inputs, use_cache=False, return_mtp_logits=with_mtp, output_hidden_states=with_confidence)
         loss = needle_causal_lm_loss(
             outputs.logits, labels, mtp_logits=outputs.mtp_logits if with_mtp else None,
-            mtp_loss_weight=self.mtp_loss_weight, num_items_in_batch=num_items_in_batch,
+            mtp_loss_weight=self.mtp_loss_weight, num_items_in_batch=num_items_in_batch, position_ids=position_ids,
         ) * self._token_loss_scale(num_items_in_batch)
         if with_confidence:
             cells = model.cells_from_hidden_states(inputs["input_ids"], outputs.hidden_states)  # [B, T, L + 1, d]

@@ -79,8 +79,11 @@ def lora_collection(lora: dict, *, scale: float) -> dict:
     return unflatten_dict({path[:-1]: {"A": adapter["A"], "B": scale * adapter["B"]} for path, adapter in lora.items()})
 
 
-def _shifted_cross_entropy(logits: jax.Array, labels: jax.Array, shift: int) -> jax.Array:
-    """Token mean of CE(logits[:, t], labels[:, t + shift]) over labelled targets. logits [B, T, V], labels [B, T]."""
+def _shifted_cross_entropy(logits: jax.Array, labels: jax.Array, shift: int, position_ids=None) -> jax.Array:
+    """Token mean of CE(logits[:, t], labels[:, t + shift]) over labelled targets. logits [B, T, V], labels [B, T];
+    position_ids [B, T] of a packed batch: a target at position < shift belongs to another sequence."""
+    if position_ids is not None:
+        labels = jnp.where(position_ids < shift, IGNORE_INDEX, labels)
     targets = labels[:, shift:]
     keep = targets != IGNORE_INDEX
     ce = optax.softmax_cross_entropy_with_integer_labels(logits[:, :-shift].astype(jnp.float32),
@@ -88,13 +91,14 @@ def _shifted_cross_entropy(logits: jax.Array, labels: jax.Array, shift: int) -> 
     return jnp.sum(ce * keep) / jnp.maximum(jnp.sum(keep), 1)
 
 
-def needle_causal_lm_loss(logits, labels, *, mtp_logits=None, mtp_loss_weight: float = 0.0) -> jax.Array:
-    """The Needle fine-tuning loss (see `needle_hf.finetune.trainer.needle_causal_lm_loss`)."""
-    loss = _shifted_cross_entropy(logits, labels, 1)
+def needle_causal_lm_loss(logits, labels, *, mtp_logits=None, mtp_loss_weight: float = 0.0, position_ids=None) -> jax.Array:
+    """The Needle fine-tuning loss (see `needle_hf.finetune.trainer.needle_causal_lm_loss`; ``position_ids``
+    of a packed batch keep each term inside its sequence)."""
+    loss = _shifted_cross_entropy(logits, labels, 1, position_ids)
     if mtp_loss_weight:
         if mtp_logits is None:
             raise ValueError("mtp_loss_weight > 0 needs mtp_logits (call the model with output_mtp_logits=True)")
-        loss = loss + mtp_loss_weight * _shifted_cross_entropy(mtp_logits, labels, 2)
+        loss = loss + mtp_loss_weight * _shifted_cross_entropy(mtp_logits, labels, 2, position_ids)
     return loss
 
 
@@ -113,7 +117,8 @@ def make_loss_function(model, *, lora_scale: Optional[float], mtp_loss_weight: f
     """``loss(trainable, frozen_params, batch)``: with ``lora_scale``, ``trainable`` is a LoRA adapter applied
     beside ``frozen_params``; with None, ``trainable`` is the full params tree (``frozen_params`` unused).
 
-    ``batch`` holds ``input_ids``, ``attention_mask`` and ``labels`` [B, T].
+    ``batch`` holds ``input_ids``, ``attention_mask`` and ``labels`` [B, T]; a packed (padding-free)
+    batch holds ``position_ids`` restarting at 0 per sequence instead of ``attention_mask``.
     """
     if lora_scale is not None:
         lora_scale = checked_option("lora_scale", lora_scale, low=-math.inf)
@@ -124,10 +129,13 @@ def make_loss_function(model, *, lora_scale: Optional[float], mtp_loss_weight: f
             params, lora = trainable, None
         else:
             params, lora = frozen_params, lora_collection(trainable, scale=lora_scale)
-        outputs = model(batch["input_ids"], attention_mask=batch["attention_mask"], params=params, lora=lora,
+        packed = "attention_mask" not in batch
+        outputs = model(batch["input_ids"], attention_mask=batch.get("attention_mask"),
+                        position_ids=batch.get("position_ids"), params=params, lora=lora,
                         output_mtp_logits=mtp_loss_weight > 0)
         return needle_causal_lm_loss(outputs.logits, batch["labels"], mtp_logits=outputs.mtp_logits,
-                                     mtp_loss_weight=mtp_loss_weight)
+                                     mtp_loss_weight=mtp_loss_weight,
+                                     position_ids=batch.get("position_ids") if packed else None)
 
     return loss
 

@@ -179,6 +179,23 @@ def shift_right(x: jnp.ndarray, offset: int, fill=0) -> jnp.ndarray:
     return jnp.pad(x, pad, constant_values=fill)[:, : x.shape[1]]
 
 
+def packed_segment_ids(position_ids: jnp.ndarray) -> jnp.ndarray:
+    """Sequence index [B, T] of each token of a row that packs sequences: a position that is not its
+    predecessor's plus one starts a sequence (transformers' and TRL's convention; torch twin:
+    `modeling_needle.packed_segment_ids`). A row of consecutive positions is one sequence."""
+    starts = jnp.concatenate(
+        [jnp.ones_like(position_ids[:, :1], dtype=jnp.bool_), position_ids[:, 1:] != position_ids[:, :-1] + 1], axis=1
+    )
+    return jnp.cumsum(starts.astype(jnp.int32), axis=1) - 1
+
+
+def same_segment_back(segment_ids: Optional[jnp.ndarray], offset: int) -> Optional[jnp.ndarray]:
+    """[B, T] bool: position t - offset lies in t's sequence (None without segments)."""
+    if segment_ids is None:
+        return None
+    return shift_right(segment_ids, offset, fill=-1) == segment_ids
+
+
 def engram_hash_indices(tokens: jnp.ndarray, orders, num_heads: int, slots: int) -> jnp.ndarray:
     """Hash-table rows [B, C, tables] for token ids [B, C] (uint32 FNV-style n-gram hash)."""
     tokens = tokens.astype(jnp.uint32)
@@ -765,20 +782,27 @@ class FlaxNeedleModule(nn.Module):
         """Token embedding scaled by sqrt(D), in the parameter dtype. [B, T] -> [B, T, D]."""
         return self.embed_tokens(input_ids) * math.sqrt(self.config.hidden_size)
 
-    def _engram_memory(self, context_tokens, context_valid, new_tokens: int, init_cache: bool):
-        """(keys, values) [sites, B, new_tokens, D] for the last `new_tokens` of the context [B, C]."""
+    def _engram_memory(self, context_tokens, context_valid, new_tokens: int, init_cache: bool, segment_ids=None):
+        """(keys, values) [sites, B, new_tokens, D] for the last `new_tokens` of the context [B, C].
+
+        segment_ids [B, C] (packed sequences, no cache): an n-gram or conv tap reaching into an earlier
+        sequence counts as invisible, as before the start of a text."""
         cfg = self.config
         if self.engrams is None:
             return None
         orders, heads = cfg.engram_orders, cfg.engram_num_heads
         new = lambda x: x[:, x.shape[1] - new_tokens :]  # noqa: E731  (the new positions of a context array)
+
+        def visible_back(offset):  # [B, C]: position t - offset is visible to t
+            visible = shift_right(context_valid, offset, fill=False)
+            same = same_segment_back(segment_ids, offset)
+            return visible if same is None else visible & same
+
         # Invisible (padded) positions hash as token 0, like positions before the start.
         indices = engram_hash_indices(jnp.where(context_valid, context_tokens, 0), orders, heads, cfg.engram_slots)
-        ngram_visible = jnp.stack(
-            [shift_right(context_valid, o - 1, fill=False) for o in engram_table_orders(orders, heads)], -1
-        )
+        ngram_visible = jnp.stack([visible_back(o - 1) for o in engram_table_orders(orders, heads)], -1)
         tap_visible = jnp.stack(
-            [new(shift_right(context_valid, j * cfg.engram_conv_dilation, fill=False)) for j in range(cfg.engram_conv_taps)]
+            [new(visible_back(j * cfg.engram_conv_dilation)) for j in range(cfg.engram_conv_taps)]
         )
         return self.engrams(new(indices), new(ngram_visible), tap_visible, init_cache=init_cache)
 
@@ -788,6 +812,7 @@ class FlaxNeedleModule(nn.Module):
         attention_mask,
         position_ids,
         *,
+        segment_ids=None,
         init_cache: bool = False,
         output_attentions: bool = False,
         output_hidden_states: bool = False,
@@ -795,6 +820,8 @@ class FlaxNeedleModule(nn.Module):
     ):
         """input_ids/attention_mask/position_ids [B, T] (attention_mask [B, S] when decoding with a cache).
 
+        segment_ids [B, T]: sequence index of each token of a packed batch (no cache): a token attends
+        only to its own sequence and its engram stops at the sequence's first token.
         hidden_states: (x0, lane mean after each layer), each [B, T, D]; attentions: per layer [B, N, T, S].
         """
         cfg = self.config
@@ -802,10 +829,14 @@ class FlaxNeedleModule(nn.Module):
         cache_index, _, context_tokens, context_valid = self.decode_state(input_ids, attention_mask, init_cache=init_cache)
         key_mask = attention_allowed(attention_mask, 0 if cache_index is None else cache_index, t,
                                      window=self.config.attention_window)
+        if segment_ids is not None:
+            if cache_index is not None or init_cache:
+                raise ValueError("segment_ids describe packed sequences of a whole batch: not with a cache")
+            key_mask = key_mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
         cos, sin = rope_tables(position_ids, cfg.head_dim, cfg.rope_theta)
 
         x0 = self.embed(input_ids)  # [B, T, D], parameter dtype
-        memory = self._engram_memory(context_tokens, context_valid, t, init_cache)
+        memory = self._engram_memory(context_tokens, context_valid, t, init_cache, segment_ids)
         lanes = jnp.broadcast_to(x0.astype(self.dtype)[:, :, None, :], (b, t, cfg.hyper_connection_lanes, cfg.hidden_size))
         lanes, lane_means, attentions = self.layers(
             lanes, cos, sin, key_mask, memory, cache_index=cache_index, init_cache=init_cache,
@@ -904,6 +935,7 @@ class FlaxNeedleForCausalLMModule(nn.Module):
         attention_mask,
         position_ids,
         *,
+        segment_ids=None,
         init_cache: bool = False,
         output_attentions: bool = False,
         output_hidden_states: bool = False,
@@ -911,14 +943,15 @@ class FlaxNeedleForCausalLMModule(nn.Module):
         return_dict: bool = True,
     ):
         outputs = self.model(
-            input_ids, attention_mask, position_ids, init_cache=init_cache,
+            input_ids, attention_mask, position_ids, segment_ids=segment_ids, init_cache=init_cache,
             output_attentions=output_attentions, output_hidden_states=output_hidden_states,
         )
         hidden = outputs.last_hidden_state
         logits = self.tied_logits(hidden)
         mtp_logits = None
         if output_mtp_logits or self.is_initializing():
-            mtp_logits = self.mtp_logits(input_ids, attention_mask, position_ids, hidden) if self.mtp is not None else None
+            mtp_logits = (self.mtp_logits(input_ids, attention_mask, position_ids, hidden, segment_ids=segment_ids)
+                          if self.mtp is not None else None)
             if self.is_initializing():
                 self._touch_heads(input_ids)
         if not return_dict:
@@ -927,14 +960,19 @@ class FlaxNeedleForCausalLMModule(nn.Module):
             logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions, mtp_logits=mtp_logits
         )
 
-    def mtp_logits(self, input_ids, attention_mask, position_ids, hidden):
-        """MTP logits [B, T, V] of a full sequence (input_ids and attention_mask both [B, T])."""
+    def mtp_logits(self, input_ids, attention_mask, position_ids, hidden, *, segment_ids=None):
+        """MTP logits [B, T, V] of a full sequence (input_ids and attention_mask both [B, T]); with
+        segment_ids (packed sequences) a sequence's last token is followed by nothing, as a row's."""
         if input_ids.shape[1] != attention_mask.shape[1]:
             raise ValueError("MTP logits are computed on a full sequence, not while decoding with a cache")
         cfg = self.config
         next_ids = jnp.pad(input_ids[:, 1:], ((0, 0), (0, 1)))
         cos, sin = rope_tables(position_ids, cfg.head_dim, cfg.rope_theta)
         key_mask = attention_allowed(attention_mask, 0, input_ids.shape[1], window=self.config.attention_window)
+        if segment_ids is not None:
+            key_mask = key_mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
+            next_ids = jnp.where(jnp.pad(segment_ids[:, 1:], ((0, 0), (0, 1)), constant_values=-1) == segment_ids,
+                                 next_ids, 0)
         return self.tied_logits(self.mtp(hidden, self.model.embed(next_ids), cos, sin, key_mask))
 
     def hidden_and_logits(self, input_ids, attention_mask, position_ids):
@@ -1333,8 +1371,14 @@ class FlaxNeedlePreTrainedModel(FlaxPreTrainedModel):
         *,
         output_mtp_logits: bool = False,
         lora: Optional[dict] = None,
+        segment_ids=None,
     ):
         """Run the model on input_ids [B, T] (see the module classes for the outputs).
+
+        Packed (padding-free) batches: several sequences in a row, given by ``segment_ids`` [B, T]
+        (sequence index of each token) or, without attention_mask and cache, by position_ids
+        restarting at 0 (transformers' convention, `packed_segment_ids`). Each sequence attends only
+        to itself and its engram stops at its first token: its logits are those of the sequence alone.
 
         `dropout_rng` and `train` belong to the Flax models' calling convention; Needle has no
         dropout, so they change nothing. `attentions` (with `output_attentions`) are the attention
@@ -1350,6 +1394,20 @@ class FlaxNeedlePreTrainedModel(FlaxPreTrainedModel):
         return_dict = return_dict if return_dict is not None else self.config.return_dict
         if output_mtp_logits and past_key_values is not None:
             raise ValueError("MTP logits are computed on a full sequence, not while decoding with a cache")
+        if segment_ids is None and attention_mask is None and position_ids is not None and past_key_values is None:
+            segment_ids = packed_segment_ids(jnp.asarray(position_ids, "i4"))
+        if segment_ids is not None:
+            if past_key_values is not None:
+                raise ValueError("segment_ids describe packed sequences of a whole batch: not with past_key_values")
+            segment_ids = jnp.asarray(segment_ids, "i4")
+            options_segments = {"segment_ids": segment_ids}
+            if position_ids is None:  # each sequence starts at position 0
+                index = jnp.broadcast_to(jnp.arange(segment_ids.shape[1]), segment_ids.shape)
+                starts = jnp.concatenate([jnp.ones_like(segment_ids[:, :1], dtype=jnp.bool_),
+                                          segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+                position_ids = index - jax.lax.cummax(jnp.where(starts, index, 0), axis=1)
+        else:
+            options_segments = {}
         input_ids, attention_mask, position_ids = self._prepare_call(input_ids, attention_mask, position_ids, past_key_values)
         variables = {"params": params or self.params}
         variables["params"] = training_weights(variables["params"], self.config, train=train)  # deploy numerics hook
@@ -1370,7 +1428,7 @@ class FlaxNeedlePreTrainedModel(FlaxPreTrainedModel):
             if return_dict:
                 return outputs.replace(past_key_values=cache)
             return outputs[:1] + (cache,) + outputs[1:]
-        return self.module.apply(variables, input_ids, attention_mask, position_ids, **options)
+        return self.module.apply(variables, input_ids, attention_mask, position_ids, **options, **options_segments)
 
 
 class FlaxNeedleModel(FlaxNeedlePreTrainedModel):

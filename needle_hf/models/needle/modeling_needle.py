@@ -317,6 +317,168 @@ def default_position_ids(
     return positions.gather(1, new_positions[None].expand(batch, -1).to(positions.device))
 
 
+def packed_segment_ids(position_ids: torch.Tensor) -> Optional[torch.Tensor]:
+    """Sequence index [B, S] of every token of a padding-free (packed) batch, or None when no row packs.
+
+    transformers' convention (`find_packed_sequence_indices`, TRL's padding-free collator,
+    `DataCollatorWithFlattening`): a position that is not its predecessor's plus one starts a sequence.
+    position_ids: [B, S].
+    """
+    starts = torch.ones_like(position_ids, dtype=torch.bool)
+    starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
+    segments = starts.long().cumsum(-1) - 1  # [B, S], 0 for the first sequence
+    if not (is_torchdynamo_compiling() or torch.compiler.is_exporting()) and not bool(segments[:, -1].any()):
+        return None
+    return segments
+
+
+def segment_ids_from_cu_seq_lens(cu_seq_lens: torch.Tensor, length: int) -> torch.Tensor:
+    """Sequence index [1, S] of a flattened row from its cumulative sequence lengths [N + 1] (the varlen
+    kernels' ``cu_seq_lens_q``: 0, end of sequence 1, ..., S)."""
+    cu_seq_lens = cu_seq_lens.long().flatten()
+    if cu_seq_lens.numel() < 2 or int(cu_seq_lens[0]) != 0 or int(cu_seq_lens[-1]) != length or bool(
+        (cu_seq_lens.diff() < 0).any()
+    ):
+        raise ValueError(
+            f"cu_seq_lens_q must rise from 0 to the row length {length} (the flattened batch's sequence "
+            f"boundaries), got {cu_seq_lens.tolist()}"
+        )
+    positions = torch.arange(length, device=cu_seq_lens.device)
+    return (torch.searchsorted(cu_seq_lens[1:], positions, right=True))[None]
+
+
+@dataclass(frozen=True)
+class PackedLayout:
+    """Where the tokens of a packed batch sit when its sequences are laid out one per row for attention.
+
+    index: [N, L] flat position (b * S + t) of each sequence's tokens, N sequences of up to L tokens
+    (0 where a sequence is shorter); inverse: [B * S] place of each token in the [N * L] layout.
+    Attention over [N, L] rows costs sum-over-sequences L^2 rather than S^2 per packed row.
+    """
+
+    index: torch.Tensor
+    inverse: torch.Tensor
+
+    @classmethod
+    def of(cls, segment_ids: torch.Tensor) -> "PackedLayout":
+        batch, length = segment_ids.shape
+        device = segment_ids.device
+        flat_segments = (segment_ids + torch.arange(batch, device=device)[:, None] * length).flatten()  # [B * S]
+        _, sequence, counts = torch.unique_consecutive(flat_segments, return_inverse=True, return_counts=True)
+        starts = counts.cumsum(0) - counts
+        offsets = torch.arange(batch * length, device=device) - starts[sequence]
+        longest = int(counts.max())
+        inverse = sequence * longest + offsets  # [B * S]
+        index = torch.zeros(counts.numel() * longest, dtype=torch.long, device=device)
+        index[inverse] = torch.arange(batch * length, device=device)
+        return cls(index=index.view(-1, longest), inverse=inverse)
+
+    def attention_allowed(self, window: int = 0) -> torch.Tensor:
+        """Boolean [N, 1, L, L]: causal within each sequence, and always the query itself (the layout's
+        empty slots see only themselves, so their rows stay finite)."""
+        sequences, longest = self.index.shape
+        device = self.index.device
+        filled = torch.zeros(sequences * longest, dtype=torch.bool, device=device)
+        filled[self.inverse] = True
+        positions = torch.arange(longest, device=device)
+        causal = positions[None, :] <= positions[:, None]  # [L, L]
+        if window > 0:
+            causal = causal & (positions[:, None] - positions[None, :] < window)
+        itself = torch.eye(longest, dtype=torch.bool, device=device)
+        return ((causal[None] & filled.view(sequences, 1, longest)) | itself[None])[:, None]
+
+    def pack(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, heads, S, hd] -> [N, heads, L, hd]."""
+        batch, heads, length, width = x.shape
+        flat = x.transpose(1, 2).reshape(batch * length, heads, width)
+        return flat[self.index].transpose(1, 2)
+
+    def unpack(self, x: torch.Tensor, batch: int) -> torch.Tensor:
+        """[N, L, heads, hd] (an attention function's output) -> [B, S, heads, hd]."""
+        sequences, longest, heads, width = x.shape
+        return x.reshape(sequences * longest, heads, width)[self.inverse].view(batch, -1, heads, width)
+
+
+def packed_lookback(segment_ids: torch.Tensor, key_visible: torch.Tensor, width: int) -> torch.Tensor:
+    """`engram_lookback` of a packed batch without a cache: [B, S, width], whether token t sees t - k
+    (visible, and in the same sequence); segment_ids, key_visible: [B, S]."""
+    batch, length = segment_ids.shape
+    back = torch.arange(length, device=segment_ids.device)[:, None] - torch.arange(width, device=segment_ids.device)
+    earlier = back.clamp(min=0)[None].expand(batch, -1, -1)  # [B, S, W]
+    same = segment_ids.gather(1, earlier.reshape(batch, -1)).view(batch, length, width) == segment_ids[..., None]
+    visible = key_visible.gather(1, earlier.reshape(batch, -1)).view(batch, length, width)
+    return same & visible & (back >= 0)[None]
+
+
+def attention_sees_from_4d(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Boolean [B, Q, K] (True: the query attends the key) of a custom 4-D attention mask [B, 1, Q, K]:
+    a boolean mask (True = attend) or an additive float one (0 = attend, a large negative number or
+    -inf = masked, as transformers' own 4-D masks)."""
+    if attention_mask.dtype == torch.bool:
+        return attention_mask[:, 0]
+    if not attention_mask.is_floating_point():
+        raise ValueError(
+            f"a 4-D attention_mask must be boolean (True = attend) or additive float (0 = attend, the dtype's "
+            f"minimum or -inf = masked), got dtype {attention_mask.dtype}"
+        )
+    masked = attention_mask[:, 0] < 0
+    if not (is_torchdynamo_compiling() or torch.compiler.is_exporting()):
+        values = attention_mask[:, 0]
+        if bool(((values != 0) & (values > torch.finfo(values.dtype).min / 2)).any()):
+            raise ValueError(
+                "a float 4-D attention_mask must hold 0 (attend) and large negative values (masked) only: "
+                "Needle has no additive attention biases"
+            )
+    return ~masked
+
+
+def engram_lookback(sees: torch.Tensor, past_length, width: int) -> torch.Tensor:
+    """[B, S, width] bool: whether new token t (at ``past_length + t``) sees the position k before it,
+    read off ``sees`` [B, S, K] (query t, key position); False before the first position."""
+    batch, length, keys = sees.shape
+    device = sees.device
+    back = torch.arange(length, device=device)[:, None] + past_length - torch.arange(width, device=device)  # [S, W]
+    gathered = sees.gather(2, back.clamp(0, keys - 1)[None].expand(batch, -1, -1))
+    return gathered & (back >= 0)[None]
+
+
+def check_engram_lookback(lookback: torch.Tensor, real: torch.Tensor, config: NeedleConfig) -> None:
+    """Refuse a 4-D mask under which an engram output would read tokens its query does not see.
+
+    The engram of token t hashes the n-grams ending at t and convolves the values of t - dilation * j,
+    each hashing its own n-gram: it reads the tokens just before t by their places in the row. That is
+    well defined when each query sees, within `engram_history` positions, every real token between
+    itself and the earliest one it sees (padding, seen by nobody, may lie between), and every token the
+    n-grams of the positions its taps read reach. Causal, padding and packed (block-diagonal) masks
+    satisfy this; shared-prefix and tree masks, where a branch sits right after a sibling, do not.
+
+    lookback: [B, S, W] (`engram_lookback`); real: [B, S, W] whether that position is real text.
+    """
+    hole = ~lookback & real  # [B, S, W]
+    hole_before = torch.cummax(hole.int(), dim=-1).values.bool()  # a hole at or before k
+    violation = lookback[..., 1:] & hole_before[..., :-1]  # sees k while a real token nearer is hidden
+    # Row t sees its tap source s = t - d*j and s's n-gram reaches s - m: t must see s - m as well.
+    dilation, width = config.engram_conv_dilation, lookback.shape[-1]
+    length = lookback.shape[1]
+    for j in range(1, config.engram_conv_taps):
+        k = j * dilation
+        if k >= length:
+            break
+        source = F.pad(lookback[:, : length - k], (0, 0, k, 0))  # row t - k of the new tokens, [B, S, W]
+        for m in range(1, max(config.engram_orders)):
+            if k + m < width:
+                leak = lookback[..., k] & source[..., m] & ~lookback[..., k + m] & real[..., k + m]
+                violation = violation | F.pad(leak[..., None], (0, violation.shape[-1] - 1))
+    if bool(violation.any()):
+        b, t, _ = (int(i) for i in violation.nonzero()[0])
+        raise ValueError(
+            f"attention_mask (4-D): query {t} of row {b} sees some of the {config.engram_history} tokens before it "
+            "but not a real token between them; Needle's engram memory hashes the n-grams ending at each position "
+            "by their places in the row, so this mask (a shared prefix or tree of branches, say) has no Needle "
+            "meaning. Run such branches as separate rows (or packed sequences with position_ids restarting at 0)."
+        )
+
+
 def eager_attention_forward(
     module: nn.Module,
     query: torch.Tensor,
@@ -361,6 +523,11 @@ class NeedleStepInputs:
         logits (`numerics.hyper_connection_offsets`).
     attention_implementation: the attention function to use instead of the config's (a compiled
         decoding step runs sdpa as the same grouped products as eager, see `_DecoderLayerStep`).
+    engram_lookback: [B, S, engram_history + 1] bool, whether new token t sees the position k before it
+        (`engram_lookback`), for packed sequences and 4-D masks; None: read from ``key_visible`` (a
+        position sees every visible position before it).
+    packed_layout: a packed batch's sequences one per row (`PackedLayout`); attention then runs over
+        that layout, and ``attention_mask`` is its [N, 1, L, L] mask.
     """
 
     key_visible: torch.Tensor
@@ -372,6 +539,8 @@ class NeedleStepInputs:
     pre_offsets: torch.Tensor
     post_offsets: torch.Tensor
     attention_implementation: Optional[str] = None
+    engram_lookback: Optional[torch.Tensor] = None
+    packed_layout: Optional[PackedLayout] = None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -461,6 +630,9 @@ class NeedleAttention(nn.Module):
 
         implementation = step.attention_implementation or self.config._attn_implementation
         attention = eager_attention_forward if implementation == "eager" else ALL_ATTENTION_FUNCTIONS[implementation]
+        layout = step.packed_layout
+        if layout is not None:  # packed sequences one per row: [N, heads, L, hd]
+            q, k, v = layout.pack(q), layout.pack(k), layout.pack(v)
         out, probs = attention(
             self,
             q,
@@ -471,6 +643,8 @@ class NeedleAttention(nn.Module):
             scaling=self.scaling,
             **attention_kwargs,
         )
+        if layout is not None:
+            out = layout.unpack(out, batch)  # [B, S, H, hd]
         out = out.reshape(batch, length, -1) * torch.sigmoid(gate)  # [B, S, attention_dim]
         out = quantize_activations(out, self.config)  # deploy numerics hook
         return self.o_proj(out), probs
@@ -651,6 +825,8 @@ class NeedleEngram(nn.Module):
         visible: torch.Tensor,
         first_output: int,
         dtype: torch.dtype,
+        *,
+        tap_visible: Optional[torch.Tensor] = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(key, value) [B, T - first_output, d] of window positions ``first_output..T-1``.
 
@@ -658,6 +834,8 @@ class NeedleEngram(nn.Module):
         n-gram lies in the visible text; visible: [B, T] whether each window position is visible.
         The value at ``t`` is ``sum_j taps[j] * v[t - j * dilation]`` over visible earlier positions
         (zero before the window, which starts at the text or reaches back `engram_history` tokens).
+        tap_visible: [B, T - first_output, taps], whether output t sees the position tap j reads (packed
+        sequences, 4-D masks); None: that position's ``visible``.
         """
         batch, length, _ = indices.shape
         table_ids = torch.arange(self.num_tables, device=indices.device)
@@ -668,13 +846,18 @@ class NeedleEngram(nn.Module):
         key = self.key_proj(fetched[:, first_output:])
         # Hidden positions contribute zero to every tap; zeros in front stand for positions before the window.
         reach = self.reach
-        value_rows = self.value_proj(fetched) * visible[..., None].to(dtype)  # [B, T, d]
+        value_rows = self.value_proj(fetched)  # [B, T, d]
+        if tap_visible is None:
+            value_rows = value_rows * visible[..., None].to(dtype)
         value_rows = F.pad(value_rows, (0, 0, reach, 0))  # [B, reach + T, d]
         taps = self.conv_taps.to(dtype)
         value = 0
         for j in range(taps.shape[0]):
             start = reach + first_output - j * self.dilation
-            value = value + taps[j] * value_rows[:, start : start + length - first_output]
+            tapped = value_rows[:, start : start + length - first_output]
+            if tap_visible is not None:
+                tapped = tapped * tap_visible[..., j, None].to(dtype)
+            value = value + taps[j] * tapped
         return key, value
 
 
@@ -685,20 +868,34 @@ def engram_window_memory(
     window_visible: torch.Tensor,
     first_output: int,
     dtype: torch.dtype,
+    *,
+    lookback: Optional[torch.Tensor] = None,
 ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
     """Engram (key, value) [B, T - first_output, d] of window positions ``first_output..T-1``, by the
     layer that reads them.
 
     window_ids: [B, T] token ids; window_visible: [B, T] bool, whether each position is real text
     (positions hidden here contribute zero, exactly like positions before the window).
+    lookback: [B, T - first_output, W] whether each output position sees the position k before it
+    (`NeedleStepInputs.engram_lookback`: packed sequences, 4-D masks), which then decides its n-grams
+    and conv taps; None: every visible earlier position.
     """
     indices = engram_hash_indices(window_ids, config.engram_orders, config.engram_num_heads, config.engram_slots)
     # An n-gram of order o ending at t is visible when its first token, t - (o - 1), is.
     visible_by_order = {order: shift_right(window_visible, order - 1) for order in config.engram_orders}
+    tap_visible = None
+    if lookback is not None:
+        # The output positions see their n-grams' first tokens, and their taps' sources, as lookback says.
+        visible_by_order = {
+            order: torch.cat([visible[:, :first_output], lookback[..., order - 1]], dim=1)
+            for order, visible in visible_by_order.items()
+        }
+        taps = range(0, config.engram_conv_taps * config.engram_conv_dilation, config.engram_conv_dilation)
+        tap_visible = lookback[..., list(taps)]  # [B, T - first_output, taps]
     table_orders = engram_table_orders(config.engram_orders, config.engram_num_heads)
     ngram_visible = torch.stack([visible_by_order[order] for order in table_orders], dim=-1)  # [B, T, tables]
     return {
-        layer_idx: engram(indices, ngram_visible, window_visible, first_output, dtype)
+        layer_idx: engram(indices, ngram_visible, window_visible, first_output, dtype, tap_visible=tap_visible)
         for engram, layer_idx in zip(engrams, config.engram_layers)
     }
 
@@ -914,6 +1111,8 @@ class NeedlePreTrainedModel(PreTrainedModel):
         )
         unused = NeedleModel._unused_checkpoint_prefixes if without_heads else ()
         _raise_unless_exact(model, loading_info, pretrained_model_name_or_path, unused_prefixes=unused)
+        if hasattr(model, "freeze_mtp_head"):
+            model.freeze_mtp_head()  # transformers 5.x loads parameters anew, trainable
         return (model, loading_info) if wants_loading_info else model
 
 
@@ -1047,19 +1246,41 @@ class NeedleModel(NeedlePreTrainedModel):
         position_ids: Optional[torch.Tensor],
         *,
         attention_window: int = 0,
+        segment_ids: Optional[torch.Tensor] = None,
+        packed_attention: bool = True,
     ) -> NeedleStepInputs:
         """Masks, RoPE tables and constants of a forward call over ``length`` new tokens at ``cache_position``
         [S], attending over ``key_length`` keys (past + S, or a static cache's length);
-        ``attention_window``: see `attention_allowed`."""
+        ``attention_window``: see `attention_allowed`.
+
+        attention_mask: 2-D [B, K'] (1 = real token, K' <= K), or a custom 4-D [B, 1, S, K]
+        (`attention_sees_from_4d`; refused where the engram has no meaning, `check_engram_lookback`).
+        segment_ids: [B, S] sequence index of each token of a packed batch (no cached tokens; see
+        `NeedleModel.sequence_segments`): a token sees only the earlier tokens of its own sequence.
+        packed_attention: run a packed batch's attention over its sequences laid out one per row
+        (`PackedLayout`) rather than over [S, S] masks (False: attention probabilities are wanted
+        in the batch's own shape).
+        """
         device, dtype = self.embed_tokens.weight.device, self.embed_tokens.weight.dtype
         past_length = cache_position[0]
+        sees = None  # [B, S, K] bool, only where it is not causal-over-visible-keys
         if attention_mask is None:
             key_visible = torch.ones(batch, key_length, dtype=torch.bool, device=device)
+        elif attention_mask.dim() == 4:
+            if attention_mask.shape[0] != batch or attention_mask.shape[1] != 1 or attention_mask.shape[2] != length \
+                    or attention_mask.shape[3] > key_length:
+                raise ValueError(
+                    f"a 4-D attention_mask must be [batch, 1, new tokens, past + new tokens]: expected shape "
+                    f"{(batch, 1, length, key_length)}, got {tuple(attention_mask.shape)}"
+                )
+            sees = attention_sees_from_4d(attention_mask.to(device))
+            sees = F.pad(sees, (0, key_length - sees.shape[-1]))  # a static cache's free slots
+            key_visible = sees.any(dim=1)  # [B, K]: the keys some query sees (padding: none)
         else:
             if attention_mask.dim() != 2:
                 raise ValueError(
                     f"Needle takes a 2-D attention_mask [batch, past + new tokens] marking real tokens with 1, "
-                    f"got shape {tuple(attention_mask.shape)}"
+                    f"or a 4-D one [batch, 1, new tokens, past + new tokens], got shape {tuple(attention_mask.shape)}"
                 )
             if attention_mask.shape[0] != batch or attention_mask.shape[1] > key_length:
                 raise ValueError(
@@ -1068,11 +1289,49 @@ class NeedleModel(NeedlePreTrainedModel):
                 )
             key_visible = attention_mask.to(device=device, dtype=torch.bool)
             key_visible = F.pad(key_visible, (0, key_length - key_visible.shape[1]))  # a static cache's free slots
-        if position_ids is None:
-            position_ids = default_position_ids(attention_mask, past_length, length, batch, device)
+        if segment_ids is not None:
+            if key_length != length or tuple(segment_ids.shape) != (batch, length):
+                raise ValueError(
+                    f"packed sequences (segment ids {tuple(segment_ids.shape)}) need a forward over the whole "
+                    f"text of shape {(batch, length)} without cached tokens (key length {key_length})"
+                )
+            segment_ids = segment_ids.to(device)
+        traced = is_torchdynamo_compiling() or torch.compiler.is_exporting()
+        layout = None
+        if segment_ids is not None and sees is None and packed_attention and not traced \
+                and self.config._attn_implementation != "flex_attention":
+            layout = PackedLayout.of(segment_ids)
+        elif segment_ids is not None:
+            same = segment_ids[:, :, None] == segment_ids[:, None, :]  # [B, S, S]
+            causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()
+            sees = (sees if sees is not None else causal[None] & key_visible[:, None, :]) & same
+        if position_ids is None and segment_ids is not None:  # each packed sequence starts at 0
+            index = torch.arange(length, device=device).expand(batch, -1)
+            starts = torch.ones_like(segment_ids, dtype=torch.bool)
+            starts[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
+            position_ids = index - torch.cummax(torch.where(starts, index, 0), dim=1).values
+        elif position_ids is None:
+            mask_2d = key_visible.long() if sees is not None else attention_mask
+            position_ids = default_position_ids(mask_2d, past_length, length, batch, device)
         inverse_frequencies = self.constant("rope_inverse_frequencies", device, torch.float32)
         cos, sin = rotary_tables(position_ids.to(device), inverse_frequencies)  # [B, S, hd] each
-        allowed = attention_allowed(key_visible, past_length, length, group=1, window=attention_window)  # [B, 1, S, K]
+        lookback = None
+        if layout is not None:
+            allowed = layout.attention_allowed(attention_window)  # [N, 1, L, L]
+            lookback = packed_lookback(segment_ids, key_visible, self.config.engram_history + 1)
+        else:
+            allowed = attention_allowed(key_visible, past_length, length, group=1, window=attention_window)  # [B, 1, S, K]
+        if sees is not None:
+            query_positions = torch.arange(length, device=device) + past_length
+            itself = torch.arange(key_length, device=device)[None, :] == query_positions[:, None]  # [S, K]
+            allowed = ((sees & allowed[:, 0]) | itself[None])[:, None]  # window and causality still apply
+            width = self.config.engram_history + 1
+            lookback = engram_lookback(sees, past_length, width)  # [B, S, W]
+            if attention_mask is not None and attention_mask.dim() == 4 and not (
+                is_torchdynamo_compiling() or torch.compiler.is_exporting()
+            ):
+                check_engram_lookback(lookback, engram_lookback(key_visible[:, None, :].expand(-1, length, -1),
+                                                                past_length, width), self.config)
         if self.config._attn_implementation == "flex_attention":
             attention_mask_4d = _flex_block_mask(allowed)
         else:
@@ -1088,7 +1347,40 @@ class NeedleModel(NeedlePreTrainedModel):
             walsh=self.walsh(device, dtype),
             pre_offsets=self.constant("pre_offsets", device, torch.float32),
             post_offsets=self.constant("post_offsets", device, torch.float32),
+            engram_lookback=lookback,
+            packed_layout=layout,
         )
+
+    def sequence_segments(
+        self,
+        attention_mask: Optional[torch.Tensor],
+        position_ids: Optional[torch.Tensor],
+        cu_seq_lens_q: Optional[torch.Tensor],
+        cu_seq_lens_k: Optional[torch.Tensor],
+        length: int,
+        past_length: int,
+    ) -> Optional[torch.Tensor]:
+        """Sequence index [B, S] of each token when the batch packs several sequences per row, else None.
+
+        A padding-free batch (TRL's ``padding_free=True``, `DataCollatorWithFlattening`) has no
+        attention_mask and gives its boundaries as ``position_ids`` restarting at 0 and, for the varlen
+        kernels, as ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (one flattened row); transformers reads
+        packing only there (no mask, no cached tokens), and so does Needle.
+        """
+        if cu_seq_lens_k is not None and (cu_seq_lens_q is None or not torch.equal(cu_seq_lens_q.cpu(), cu_seq_lens_k.cpu())):
+            raise ValueError("cu_seq_lens_k must equal cu_seq_lens_q: Needle's attention is self-attention")
+        if attention_mask is not None or past_length:
+            if cu_seq_lens_q is not None:
+                raise ValueError(
+                    "cu_seq_lens_q describes a padding-free batch: pass it without attention_mask and without cached tokens"
+                )
+            return None
+        if cu_seq_lens_q is not None:
+            segments = segment_ids_from_cu_seq_lens(cu_seq_lens_q, length)
+            if position_ids is not None and position_ids.shape[0] != 1:
+                raise ValueError(f"cu_seq_lens_q describes one flattened row, got position_ids of shape {tuple(position_ids.shape)}")
+            return segments
+        return packed_segment_ids(position_ids) if position_ids is not None else None
 
     def walsh(self, device: torch.device, dtype: torch.dtype) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """What the MLPs' `walsh_transform` reads (`walsh_operand`), on ``device`` in ``dtype``."""
@@ -1118,7 +1410,8 @@ class NeedleModel(NeedlePreTrainedModel):
         window_visible = step.key_visible.index_select(1, positions.clamp(min=0)) & (positions >= 0)  # [B, H + S]
         window_ids = torch.cat([before_ids, input_ids], dim=1)  # [B, H + S]
 
-        return engram_window_memory(self.engrams, config, window_ids, window_visible, history, self.embed_tokens.weight.dtype)
+        return engram_window_memory(self.engrams, config, window_ids, window_visible, history, self.embed_tokens.weight.dtype,
+                                    lookback=step.engram_lookback)
 
     def engram_cache_layer(self, cache: Cache) -> NeedleEngramCacheLayer:
         """The cache layer that holds the engram state (that of the first engram layer), made a Needle
@@ -1151,14 +1444,28 @@ class NeedleModel(NeedlePreTrainedModel):
         past_key_values: Optional[Cache] = None,
         inputs_embeds: None = None,
         *,
+        cu_seq_lens_q: Optional[torch.Tensor] = None,
+        cu_seq_lens_k: Optional[torch.Tensor] = None,
+        max_length_q: Optional[int] = None,
+        max_length_k: Optional[int] = None,
+        seq_idx: Optional[torch.Tensor] = None,
         compiled_parts: Optional[NeedleCompiledParts] = None,
     ) -> Union[BaseModelOutputWithPast, tuple]:
         """Run the backbone on ``input_ids`` [B, S].
 
         Args:
             attention_mask: [B, past + S] (or [B, max_cache_len] with a static cache), 1 for real tokens
-                and 0 for padding (left or right).
+                and 0 for padding (left or right); or a custom 4-D mask [B, 1, S, past + S], boolean
+                (True = attend) or additive float (0 = attend), refused where the engram has no meaning
+                (`check_engram_lookback`: shared prefixes, trees).
             position_ids: [B, S]; default ``cumsum(attention_mask) - 1`` (or ``past + arange(S)``).
+                Without attention_mask and cache, positions that restart (not the previous plus one)
+                start a new packed sequence: each sequence attends only to itself and its engram
+                n-grams and conv taps stop at its start (`sequence_segments`).
+            cu_seq_lens_q, cu_seq_lens_k: [N + 1] boundaries of the sequences of one flattened row (TRL's
+                padding-free collator, `DataCollatorWithFlattening`); they decide the packing when given.
+            max_length_q, max_length_k, seq_idx: what those collators add for varlen kernels; implied by
+                the boundaries, accepted so that their batches pass to the model unchanged.
             cache: a transformers `DynamicCache` or `StaticCache`, which also carries the engram state
                 (`NeedleEngramCacheLayer`); created when ``use_cache`` and none is given.
                 ``past_key_values`` is its name before transformers 5.
@@ -1201,14 +1508,20 @@ class NeedleModel(NeedlePreTrainedModel):
             key_length = static_cache_length(cache)
         else:
             key_length = (cache.get_seq_length() if cache is not None else 0) + length
-            if attention_mask is not None and tuple(attention_mask.shape) != (batch, key_length):
+            if attention_mask is not None and attention_mask.shape[-1] != key_length:
+                expected = (batch, key_length) if attention_mask.dim() != 4 else (batch, 1, length, key_length)
                 raise ValueError(
-                    f"attention_mask must cover the cached and the new tokens: expected shape {(batch, key_length)}, "
+                    f"attention_mask must cover the cached and the new tokens: expected shape {expected}, "
                     f"got {tuple(attention_mask.shape)}"
                 )
         window = self.config.attention_window if attention_window is None else _attention_window_option(attention_window)
+        segments = None
+        if cu_seq_lens_q is not None or cu_seq_lens_k is not None or (attention_mask is None and position_ids is not None):
+            past_length = 0 if cache is None else int(cache.get_seq_length())
+            segments = self.sequence_segments(attention_mask, position_ids, cu_seq_lens_q, cu_seq_lens_k, length,
+                                              past_length)
         step = self.step_inputs(batch, length, cache_position, key_length, attention_mask, position_ids,
-                                attention_window=window)
+                                attention_window=window, segment_ids=segments, packed_attention=not output_attentions)
         hidden, all_hidden, all_attentions = self.forward_with_step_inputs(
             input_ids, step, cache, output_hidden_states=output_hidden_states, output_attentions=output_attentions,
             compiled_parts=compiled_parts,
@@ -1283,6 +1596,16 @@ class NeedleForCausalLM(NeedlePreTrainedModel, GenerationMixin):
         self.confidence_head = NeedleConfidenceHead(config) if config.use_confidence_head else None
         self.post_init()  # ties lm_head.weight to model.embed_tokens.weight
         self._register_load_state_dict_pre_hook(_fill_tied_alias, with_module=True)  # public from torch 2.5
+        self.freeze_mtp_head()
+
+    def freeze_mtp_head(self) -> None:
+        """Fine-tuning leaves the MTP head as it is, as the reference's does (its loss is the next-token
+        loss, its adapters sit in the backbone): the head is frozen on construction and loading, so
+        Trainer and PEFT count it as not trainable and every trainable weight gets a gradient from the
+        default loss. ``model.mtp.requires_grad_()`` trains it (with `NeedleLossMixin(mtp_loss_weight > 0)`,
+        whose loss reaches it)."""
+        if self.mtp is not None:
+            self.mtp.requires_grad_(False)
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.model.embed_tokens
@@ -1329,6 +1652,11 @@ class NeedleForCausalLM(NeedlePreTrainedModel, GenerationMixin):
         past_key_values: Optional[Cache] = None,
         inputs_embeds: None = None,
         *,
+        cu_seq_lens_q: Optional[torch.Tensor] = None,
+        cu_seq_lens_k: Optional[torch.Tensor] = None,
+        max_length_q: Optional[int] = None,
+        max_length_k: Optional[int] = None,
+        seq_idx: Optional[torch.Tensor] = None,
         compiled_parts: Optional[NeedleCompiledParts] = None,
     ) -> Union[NeedleCausalLMOutput, tuple]:
         """Logits [B, S, V] float32 of ``input_ids`` [B, S] (see `NeedleModel.forward` for the inputs).
@@ -1342,7 +1670,10 @@ class NeedleForCausalLM(NeedlePreTrainedModel, GenerationMixin):
             logits_to_keep: keep the logits of the last ``n`` positions (int, 0 = all) or of the given
                 position indices (tensor); applies to ``mtp_logits`` too.
             return_mtp_logits: also return ``mtp_logits`` (``mtp_logits[:, t]`` scores token t + 2);
-                only on a forward over the whole text (empty cache).
+                only on a forward over the whole text (empty cache). In a packed batch the MTP head
+                sees the next token as 0 at each sequence's last position, as at the end of a row.
+            cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k, seq_idx: a padding-free batch's
+                boundaries (see `NeedleModel.forward`).
             compiled_parts: see `NeedleModel.forward` (`get_compiled_call` passes them).
         """
         forward_arguments = dict(locals())  # deploy numerics hook (first statement: the arguments only)
@@ -1368,6 +1699,11 @@ class NeedleForCausalLM(NeedlePreTrainedModel, GenerationMixin):
             return_dict=True,
             cache_position=cache_position,
             attention_window=attention_window,
+            cu_seq_lens_q=cu_seq_lens_q,
+            cu_seq_lens_k=cu_seq_lens_k,
+            max_length_q=max_length_q,
+            max_length_k=max_length_k,
+            seq_idx=seq_idx,
             compiled_parts=compiled_parts,
         )
         hidden = outputs.last_hidden_state
@@ -1379,9 +1715,16 @@ class NeedleForCausalLM(NeedlePreTrainedModel, GenerationMixin):
             batch, length = input_ids.shape
             positions = torch.arange(length, device=input_ids.device)
             window = self.config.attention_window if attention_window is None else _attention_window_option(attention_window)
+            segments = None
+            if cu_seq_lens_q is not None or (attention_mask is None and position_ids is not None):
+                segments = self.model.sequence_segments(attention_mask, position_ids, cu_seq_lens_q, cu_seq_lens_k,
+                                                        length, 0)
             step = self.model.step_inputs(batch, length, positions, length, attention_mask, position_ids,
-                                          attention_window=window)
+                                          attention_window=window, segment_ids=segments)
             next_ids = torch.cat([input_ids[:, 1:], torch.zeros_like(input_ids[:, :1])], dim=1)
+            if segments is not None:  # a sequence's last token is followed by nothing, as at a row's end
+                last = torch.cat([segments[:, 1:] != segments[:, :-1], torch.ones_like(segments[:, :1], dtype=torch.bool)], 1)
+                next_ids = next_ids.masked_fill(last, 0)
             predicted = self.mtp(hidden, self.model.embed(next_ids), step)
             mtp_logits = self.tied_logits(predicted[:, keep])
 
