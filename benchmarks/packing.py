@@ -28,8 +28,8 @@ def main():
     import torch
     from trl import SFTConfig, SFTTrainer
 
-    from needle_hf.demo_data import make_demo_examples
-    from needle_hf.finetune_data import conversations_dataset
+    from needle_hf.demo.data import make_demo_examples
+    from needle_hf.finetune.data import conversations_dataset
 
     model, tokenizer = load_demo_torch()
     initial = {name: tensor.clone() for name, tensor in model.state_dict().items()}

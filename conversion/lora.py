@@ -363,7 +363,7 @@ def _check_qat_metadata(metadata: dict, where, config=None):
     if bits_map is not None and not isinstance(bits_map, str):
         raise AdapterError(f"{where}: qat_bits_map is {_kind(bits_map)}, expected a bits-map string or null")
     if bits_map is not None and config is not None:
-        from needle_hf.numerics import BitsMapError, parse_bits_map
+        from needle_hf.models.needle.numerics import BitsMapError, parse_bits_map
 
         try:
             parse_bits_map(bits_map, engram_sites=len(config.engram_layers))

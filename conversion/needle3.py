@@ -161,7 +161,7 @@ def convert_needle3(
     import needle_hf
     from needle_hf.models.needle3.modeling_needle3 import Needle3ForCausalLM
     from needle_hf.models.needle3.tokenization_needle3 import build_needle3_tokenizer
-    from needle_hf.tokenization_needle import check_vocab_matches, save_fast_tokenizer
+    from needle_hf.models.needle.tokenization_needle import check_vocab_matches, save_fast_tokenizer
     from needle_hf.models.needle3.weight_names_needle3 import native_to_hf
 
     started = time.perf_counter()

@@ -61,7 +61,7 @@ def one_cpu_thread():
 def demo_tokenizer():
     """The shipped demo tokenizer (needle_hf/demo/tokenizer.model, 800 pieces) as a fast tokenizer."""
     from needle_hf.demo import DEMO_DIR
-    from needle_hf.tokenization_needle import build_fast_tokenizer
+    from needle_hf.models.needle.tokenization_needle import build_fast_tokenizer
 
     return build_fast_tokenizer(str(DEMO_DIR / "tokenizer.model"))
 
@@ -73,9 +73,9 @@ def demo_model():
 
     from demo_support import load_demo_checkpoint
 
-    from needle_hf.configuration_needle import NeedleConfig
-    from needle_hf.modeling_needle import NeedleForCausalLM
-    from needle_hf.weight_names import native_to_hf, optional_heads_in_native
+    from needle_hf.models.needle.configuration_needle import NeedleConfig
+    from needle_hf.models.needle.modeling_needle import NeedleForCausalLM
+    from needle_hf.models.needle.weight_names import native_to_hf, optional_heads_in_native
 
     checkpoint = load_demo_checkpoint()
     config = NeedleConfig.from_needle_config(checkpoint.config, **optional_heads_in_native(checkpoint.params))

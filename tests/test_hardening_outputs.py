@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from needle_hf.cli import main
-from needle_hf.configuration_needle import NeedleConfig
+from needle_hf.models.needle.configuration_needle import NeedleConfig
 from needle_hf.conversion.atomic_output import clean_debris
 from needle_hf.conversion.cact import CactFormatError, read_cact
 

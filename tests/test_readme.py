@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import transformers
 
-from needle_hf.demo_data import write_demo_jsonl
+from needle_hf.demo.data import write_demo_jsonl
 from demo_support import DEMO_CHECKPOINT, DEMO_TOKENIZER, build_folder_without_converter
 
 pytestmark = pytest.mark.v5  # also runs under transformers 5.x (.venv-v5)

@@ -100,7 +100,7 @@ def tool_schema(tool: dict) -> dict:
     """The bare ``{"name", "description", "parameters"}`` schema of a tool (OpenAI wrappers unwrapped).
 
     ``parameters`` must describe a JSON object (``"type": "object"``), since a call's arguments are
-    one (`needle_hf.tool_calls` refuses anything else); a missing or empty (``{}``) ``parameters``
+    one (`needle_hf.tools.tool_calls` refuses anything else); a missing or empty (``{}``) ``parameters``
     means no arguments. The parameters object, and every nested object schema that declares
     ``properties``, gets ``additionalProperties: false`` unless it says otherwise.
     """
@@ -128,7 +128,7 @@ class _Bounder:
     Local ``$ref``s (``#``, ``#/$defs/...``, any JSON pointer into the parameters) become definitions
     of the payload schema, one per (target, JSON depth); every part that admits any value (``{}``,
     ``true``, a missing ``items`` or ``additionalProperties``) becomes an explicit value of bounded
-    depth; parts deeper than `needle_hf.tool_calls.MAX_JSON_DEPTH` admit nothing; numbers get
+    depth; parts deeper than `needle_hf.tools.tool_calls.MAX_JSON_DEPTH` admit nothing; numbers get
     +-`NUMBER_BOUND`. So every answer the grammar admits is one `parse_tool_calls` accepts.
     """
 

@@ -67,7 +67,7 @@ def _refuse_constant(name):
 
 def _finite_float(text):
     # Any length: float() reads long digit strings in linear time, and the grammar
-    # (`needle_hf.grammar`) bounds a number's magnitude, not its fraction digits.
+    # (`needle_hf.generation.grammar`) bounds a number's magnitude, not its fraction digits.
     value = float(text)
     if value in (float("inf"), float("-inf")):
         raise ToolCallParseError(f"tool calls hold the number {_excerpt(text)}, which overflows a float")

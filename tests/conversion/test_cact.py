@@ -11,7 +11,7 @@ from needle_hf import NeedleConfig
 from needle_hf.conversion import SourceFormat, UnknownSourceFormatError, detect_source_format
 from needle_hf.conversion.cact import CactFormatError, is_cact, read_cact, read_cact_tensors
 from needle_hf.conversion.native_checkpoint import is_native_checkpoint
-from needle_hf.weight_names import native_to_hf, optional_heads_in_native, weight_specs
+from needle_hf.models.needle.weight_names import native_to_hf, optional_heads_in_native, weight_specs
 from needle_reference import (
     BASE_NATIVE_CONFIG,
     TINY_NATIVE_CONFIG,

@@ -18,7 +18,7 @@ from safetensors import safe_open
 import needle_hf
 from needle_hf.cli import main
 from needle_hf.conversion.cact import read_cact_tensors
-from needle_hf.weight_names import native_to_hf, weight_specs
+from needle_hf.models.needle.weight_names import native_to_hf, weight_specs
 from needle_reference import (
     BASE_NATIVE_CONFIG,
     TINY_NATIVE_CONFIG,
@@ -336,7 +336,7 @@ def test_export_loads_in_the_reference_with_every_tensor_identical(converted, pa
 def test_needle2_geometry_converts_with_reference_parity_and_exports_back(tmp_path):
     from needle.model.run import load_checkpoint
 
-    from needle_hf.modeling_flax_needle import FlaxNeedleForCausalLM
+    from needle_hf.models.needle.modeling_flax_needle import FlaxNeedleForCausalLM
 
     params = make_native_params(BASE_NATIVE_CONFIG, seed=3, with_heads=True)
     source = tmp_path / "needle2-base.pkl"

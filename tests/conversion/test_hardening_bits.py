@@ -18,8 +18,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from needle_hf.cli import main
-from needle_hf.configuration_needle import ACT_BITS_RANGE, KV_BITS_UNQUANTISED, KV_CQ_BITS, MAX_FIELD_VALUE, NeedleConfig
-from needle_hf.numerics import (
+from needle_hf.models.needle.configuration_needle import ACT_BITS_RANGE, KV_BITS_UNQUANTISED, KV_CQ_BITS, MAX_FIELD_VALUE, NeedleConfig
+from needle_hf.models.needle.numerics import (
     BITS_MAP_GROUPS,
     BitsMapError,
     bits_for,
@@ -28,7 +28,7 @@ from needle_hf.numerics import (
     is_cq_weight,
     parse_bits_map,
 )
-from needle_hf.weight_names import weight_specs
+from needle_hf.models.needle.weight_names import weight_specs
 
 from test_cli import checkpoint, hf_folder, params  # noqa: E402,F401  (fixtures)
 
@@ -194,7 +194,7 @@ def test_the_forward_is_finite_at_the_boundary_widths(hf_folder, act_bits, kv_bi
 
 def test_the_widest_activation_grid_is_exact_in_float32_and_the_next_is_not():
     """Why act_bits stops at 25: the absmax levels +-(2**(bits-1) - 1) are float32 integers up to 2**24."""
-    from needle_hf.deploy_numerics import absmax_rows
+    from needle_hf.models.needle.deploy_numerics import absmax_rows
 
     widest = 2 ** (ACT_BITS_RANGE[1] - 1) - 1
     assert float(np.float32(widest)) == widest and float(np.float32(2 * widest + 1)) != 2 * widest + 1

@@ -31,7 +31,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from needle_hf.tokenization_needle import build_fast_tokenizer
+from needle_hf.models.needle.tokenization_needle import build_fast_tokenizer
 from needle_reference import TINY_NATIVE_CONFIG, make_native_params, reference_config, write_native_checkpoint
 from spm_fixture import FIXTURE_VOCAB_SIZE
 
@@ -48,12 +48,12 @@ _READER = textwrap.dedent("""
     from pathlib import Path
     limit = int(sys.argv[2])
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-    from needle_hf.configuration_needle import NeedleConfig
+    from needle_hf.models.needle.configuration_needle import NeedleConfig
     from needle_hf.conversion.cact import CactFormatError, read_cact
     from needle_hf.conversion.export import ExportError, read_hf_tensors
     from needle_hf.conversion.native_checkpoint import CheckpointFormatError, load_native_checkpoint
-    from needle_hf.tokenization_needle import TokenizerSourceError, read_tokenizer_file
-    from needle_hf.weight_names import NeedleWeightsError
+    from needle_hf.models.needle.tokenization_needle import TokenizerSourceError, read_tokenizer_file
+    from needle_hf.models.needle.weight_names import NeedleWeightsError
 
     corpus = Path(sys.argv[1])
     config = NeedleConfig.from_pretrained(str(corpus / "config"))
@@ -129,9 +129,9 @@ def corpus(tmp_path_factory, needle_spm_model):
     from needle.model.export import write_export
     from needle.model.tokenizer import SANTokenizer
 
-    from needle_hf.configuration_needle import NeedleConfig
+    from needle_hf.models.needle.configuration_needle import NeedleConfig
     from needle_hf.conversion.safetensors_stream import write_safetensors
-    from needle_hf.weight_names import native_to_hf
+    from needle_hf.models.needle.weight_names import native_to_hf
 
     root = tmp_path_factory.mktemp("fuzz")
     params = make_native_params(CONFIG, seed=3, with_heads=False)
@@ -300,8 +300,8 @@ def demo_chat_tokenizer(demo_tokenizer):
 @given(data=_jsonl_files())
 def test_generated_finetune_files_train_only_on_parseable_offered_calls_or_fail_naming_file_and_line(
         demo_chat_tokenizer, data):
-    from needle_hf.finetune_data import FinetuneDataError, encode_conversation, load_finetune_dataset
-    from needle_hf.tool_calls import parse_assistant_turn
+    from needle_hf.finetune.data import FinetuneDataError, encode_conversation, load_finetune_dataset
+    from needle_hf.tools.tool_calls import parse_assistant_turn
 
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "data.jsonl"
@@ -337,8 +337,8 @@ ROUTING_POSITIONS = 64  # max_position_embeddings of the routing model: long tex
 def routing_model(demo_tokenizer):
     import torch
 
-    from needle_hf.configuration_needle import NeedleConfig
-    from needle_hf.modeling_needle import NeedleForCausalLM
+    from needle_hf.models.needle.configuration_needle import NeedleConfig
+    from needle_hf.models.needle.modeling_needle import NeedleForCausalLM
 
     torch.manual_seed(0)
     native = dict(TINY_NATIVE_CONFIG, vocab_size=len(demo_tokenizer), max_seq_len=ROUTING_POSITIONS)
@@ -416,7 +416,7 @@ def _embeddings(spec):
 @settings(max_examples=150, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data(), query=st.one_of(_ROUTING_TEXT, _ROUTING_TEXT, _JSON), top_k=_TOP_K)
 def test_generated_routing_inputs_rank_or_fail_naming_the_field(routing_model, demo_tokenizer, data, query, top_k):
-    from needle_hf.tool_routing import ToolRoutingError, rank_tools
+    from needle_hf.tools.tool_routing import ToolRoutingError, rank_tools
 
     catalogue = data.draw(_catalogues())
     embeddings = data.draw(_embedding_specs(catalogue))
@@ -436,7 +436,7 @@ def test_generated_routing_inputs_rank_or_fail_naming_the_field(routing_model, d
        constrained=st.one_of(st.booleans(), st.integers(0, 1), _TEXTS))
 def test_generated_caller_options_build_or_fail_naming_the_option(routing_model, demo_tokenizer, top_k_tools, threshold,
                                                                   constrained):
-    from needle_hf.tool_routing import NeedleToolCaller, ToolRoutingError
+    from needle_hf.tools.tool_routing import NeedleToolCaller, ToolRoutingError
 
     try:
         caller = NeedleToolCaller(routing_model, demo_tokenizer, top_k_tools=top_k_tools,
@@ -456,7 +456,7 @@ EXAMPLE_SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "finetune_to
 
 def _finetune_cases(root: Path) -> list[tuple[str, list[str]]]:
     """(name, argv) of hostile runs: damaged demo data (seeded) and bad options or paths."""
-    from needle_hf.demo_data import make_demo_examples
+    from needle_hf.demo.data import make_demo_examples
 
     base = root / "base"
     base.mkdir()

@@ -119,7 +119,7 @@ def _trained_peft_folder(hf_dir, folder, *, target_modules=PEFT_TARGET_MODULES, 
 
 
 def test_exported_adapter_merges_in_the_reference_to_peft_merge_and_unload(hf_dir, params, tmp_path):
-    from needle_hf.weight_names import hf_to_native
+    from needle_hf.models.needle.weight_names import hf_to_native
     from needle_hf import NeedleConfig
 
     model = _trained_peft_folder(hf_dir, tmp_path / "peft")

@@ -74,8 +74,8 @@ _MESH_CHILD = textwrap.dedent("""
     sys.path.insert(0, sys.argv[1])
     from flax_support import random_tokens
     from needle_reference import TINY_NATIVE_CONFIG
-    from needle_hf.configuration_needle import NeedleConfig
-    from needle_hf.modeling_flax_needle import FlaxNeedleForCausalLM
+    from needle_hf.models.needle.configuration_needle import NeedleConfig
+    from needle_hf.models.needle.modeling_flax_needle import FlaxNeedleForCausalLM
 
     assert len(jax.devices()) == 2, jax.devices()
     config = NeedleConfig.from_needle_config(dict(TINY_NATIVE_CONFIG))

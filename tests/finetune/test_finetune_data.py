@@ -8,7 +8,7 @@ from needle.model.finetune import _encode, render_example
 from finetune_support import ALARM, EXAMPLES, WEATHER, fast_tokenizer  # noqa: F401  (fast_tokenizer: a fixture)
 from needle.model.tokenizer import SANTokenizer
 
-from needle_hf.finetune_data import (
+from needle_hf.finetune.data import (
     IGNORE_INDEX,
     FinetuneDataError,
     NeedlePaddingCollator,
@@ -16,7 +16,7 @@ from needle_hf.finetune_data import (
     load_finetune_dataset,
     tokenize_conversations,
 )
-from needle_hf.tokenization_needle import PAD_ID
+from needle_hf.models.needle.tokenization_needle import PAD_ID
 
 pytestmark = pytest.mark.v5  # also runs under transformers 5.x (.venv-v5)
 
@@ -202,7 +202,7 @@ def test_empty_missing_and_folder_paths_are_refused(tmp_path, content, problem):
 
 
 def test_in_memory_examples_with_non_json_values_or_unoffered_tools_are_refused():
-    from needle_hf.finetune_data import conversations_dataset, example_to_conversation
+    from needle_hf.finetune.data import conversations_dataset, example_to_conversation
 
     tool = json.loads(_TOOL)
     for arguments, problem in (({"x": float("nan")}, "expected a finite number"), ({"x": {1, 2}}, "found set"),

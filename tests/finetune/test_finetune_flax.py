@@ -23,11 +23,11 @@ from finetune_support import (  # noqa: F401  (fast_tokenizer, parity_case: fixt
 )
 from flax_support import write_hf_folder
 
-from needle_hf.demo_data import make_demo_examples
-from needle_hf.finetune_data import NeedlePaddingCollator, conversations_dataset, tokenize_conversations
-from needle_hf.finetune_flax import finetune_optimizer, init_lora, make_loss_function, make_train_step
-from needle_hf.modeling_flax_needle import FlaxNeedleForCausalLM
-from needle_hf.tokenization_needle import PAD_ID
+from needle_hf.demo.data import make_demo_examples
+from needle_hf.finetune.data import NeedlePaddingCollator, conversations_dataset, tokenize_conversations
+from needle_hf.finetune.trainer_flax import finetune_optimizer, init_lora, make_loss_function, make_train_step
+from needle_hf.models.needle.modeling_flax_needle import FlaxNeedleForCausalLM
+from needle_hf.models.needle.tokenization_needle import PAD_ID
 
 RANK, ALPHA = PARITY_RANK, PARITY_ALPHA
 MTP_LOSS_WEIGHT = PARITY_MTP_LOSS_WEIGHT
@@ -61,7 +61,7 @@ def reference_layout(grads: dict, lora: dict) -> dict:
 
 
 def test_flax_loss_and_lora_gradients_equal_the_reference_and_pytorch(flax_model, parity_case, fast_tokenizer):
-    from needle_hf.finetune_torch import needle_causal_lm_loss
+    from needle_hf.finetune.trainer import needle_causal_lm_loss
 
     lora = parity_case["lora"]
     batch = numpy_batch(fast_tokenizer, EXAMPLES)

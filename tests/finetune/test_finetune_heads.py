@@ -1,4 +1,4 @@
-"""Training the contrastive and confidence heads (`needle_hf.finetune_heads`): the losses are the
+"""Training the contrastive and confidence heads (`needle_hf.finetune.heads`): the losses are the
 stated InfoNCE and binary cross-entropy, turns are read as `NeedleToolCaller` reads them, training
 lowers both losses without touching the backbone, and `NeedleTrainer`'s confidence term equals the
 head's loss on the turns scored one by one."""
@@ -13,16 +13,16 @@ import torch
 from needle_reference import TINY_NATIVE_CONFIG
 from transformers import TrainingArguments
 
-from needle_hf.configuration_needle import NeedleConfig
-from needle_hf.demo_data import (
+from needle_hf.models.needle.configuration_needle import NeedleConfig
+from needle_hf.demo.data import (
     DEMO_DATA_TOOLS,
     DISTRACTOR_TOOLS,
     corrupt_demo_answers,
     is_held_out_query,
     make_demo_examples,
 )
-from needle_hf.finetune_data import conversations_dataset, tokenize_conversations
-from needle_hf.finetune_heads import (
+from needle_hf.finetune.data import conversations_dataset, tokenize_conversations
+from needle_hf.finetune.heads import (
     ConfidenceRowsCollator,
     backbone_cells,
     confidence_loss,
@@ -31,9 +31,9 @@ from needle_hf.finetune_heads import (
     train_heads,
     turn_ids,
 )
-from needle_hf.finetune_torch import NeedleTrainer, needle_causal_lm_loss
-from needle_hf.modeling_needle import NeedleForCausalLM
-from needle_hf.tool_routing import tool_text
+from needle_hf.finetune.trainer import NeedleTrainer, needle_causal_lm_loss
+from needle_hf.models.needle.modeling_needle import NeedleForCausalLM
+from needle_hf.tools.tool_routing import tool_text
 
 TOLERANCE = 1e-5
 # Shipped demo: mean confidence of right minus wrong held-out answers (measured 0.25 on these 20: the
@@ -162,8 +162,8 @@ def test_trainer_confidence_term_is_the_heads_loss_on_the_turns_scored_one_by_on
 
 
 def test_shipped_demo_heads_route_held_out_queries_and_score_right_answers_above_wrong_ones(demo_model, demo_tokenizer):
-    from needle_hf.demo_data import DEMO_HELD_OUT_SEED
-    from needle_hf.tool_routing import answer_confidence, embed_tools, rank_tools
+    from needle_hf.demo.data import DEMO_HELD_OUT_SEED
+    from needle_hf.tools.tool_routing import answer_confidence, embed_tools, rank_tools
 
     examples = make_demo_examples(20, seed=DEMO_HELD_OUT_SEED, split="held_out")
     catalogue = DEMO_DATA_TOOLS + DISTRACTOR_TOOLS  # half the distractors were never trained against
@@ -181,8 +181,8 @@ def test_shipped_demo_heads_route_held_out_queries_and_score_right_answers_above
 
 
 def test_bad_head_training_inputs_are_refused_naming_the_field(tokenizer, tmp_path):
-    from needle_hf.finetune_data import FinetuneDataError
-    from needle_hf.demo_data import write_demo_jsonl
+    from needle_hf.finetune.data import FinetuneDataError
+    from needle_hf.demo.data import write_demo_jsonl
 
     model = tiny_model(tokenizer)
     good = {"query_ids": [[2, 20, 21]], "targets": [0], "tool_ids": [[2, 30], [2, 31]]}

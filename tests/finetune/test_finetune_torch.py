@@ -23,12 +23,12 @@ from finetune_support import (  # noqa: F401  (fast_tokenizer, parity_case: fixt
 from peft import get_peft_model
 from transformers import TrainingArguments
 
-from needle_hf.configuration_needle import NeedleConfig
-from needle_hf.demo_data import make_demo_examples
-from needle_hf.finetune_data import NeedlePaddingCollator, conversations_dataset, tokenize_conversations
-from needle_hf.finetune_torch import NeedleTrainer, needle_causal_lm_loss, needle_lora_config
-from needle_hf.modeling_needle import NeedleForCausalLM
-from needle_hf.tokenization_needle import PAD_ID
+from needle_hf.models.needle.configuration_needle import NeedleConfig
+from needle_hf.demo.data import make_demo_examples
+from needle_hf.finetune.data import NeedlePaddingCollator, conversations_dataset, tokenize_conversations
+from needle_hf.finetune.trainer import NeedleTrainer, needle_causal_lm_loss, needle_lora_config
+from needle_hf.models.needle.modeling_needle import NeedleForCausalLM
+from needle_hf.models.needle.tokenization_needle import PAD_ID
 
 pytestmark = [pytest.mark.v5, pytest.mark.usefixtures("one_cpu_thread")]  # conftest: torch on one thread
 
@@ -105,7 +105,7 @@ def test_peft_lora_with_trainer_lowers_the_held_out_loss(tmp_path, fast_tokenize
 def test_trl_sft_trainer_with_assistant_only_loss_lowers_the_held_out_loss(tmp_path, fast_tokenizer):
     from trl import SFTConfig
 
-    from needle_hf.finetune_trl import NeedleSFTTrainer
+    from needle_hf.finetune.trainer_trl import NeedleSFTTrainer
 
     torch.manual_seed(0)
     model = NeedleForCausalLM(NeedleConfig.from_needle_config(FINETUNE_NATIVE_CONFIG))
@@ -145,8 +145,8 @@ def test_trl_sft_trainer_own_fused_lm_head_loss_is_the_models_loss(tmp_path, fas
 
 
 def test_shipped_demo_model_answers_held_out_prompts_with_the_exact_calls(demo_model, demo_tokenizer):
-    from needle_hf.demo_data import DEMO_HELD_OUT_SEED
-    from needle_hf.tool_calls import ToolCallParseError, parse_tool_calls
+    from needle_hf.demo.data import DEMO_HELD_OUT_SEED
+    from needle_hf.tools.tool_calls import ToolCallParseError, parse_tool_calls
 
     model, tokenizer = demo_model, demo_tokenizer  # the Needle tokenizer pads on the left
     examples = make_demo_examples(10, seed=DEMO_HELD_OUT_SEED, split="held_out")  # queries never trained on

@@ -1,4 +1,4 @@
-"""Grammar-constrained tool calls (`needle_hf.grammar`): every constrained answer parses and validates.
+"""Grammar-constrained tool calls (`needle_hf.generation.grammar`): every constrained answer parses and validates.
 
 A tiny random model (no training) writes whatever its random logits say; with the processor its
 answers must still be a well-formed Needle turn whose calls name given tools with arguments that
@@ -15,10 +15,10 @@ from needle_reference import TINY_NATIVE_CONFIG
 from demo_support import demo_folder  # noqa: F401  (fixture: the demo as a HF folder, 4.57 and 5.x)
 from transformers import AutoTokenizer, LogitsProcessorList, pipeline
 
-from needle_hf.configuration_needle import NeedleConfig
-from needle_hf.grammar import ToolCallGrammar, ToolGrammarError, token_bytes, tool_calls_json_schema, tool_schema
-from needle_hf.modeling_needle import NeedleForCausalLM
-from needle_hf.tool_calls import parse_assistant_turn
+from needle_hf.models.needle.configuration_needle import NeedleConfig
+from needle_hf.generation.grammar import ToolCallGrammar, ToolGrammarError, token_bytes, tool_calls_json_schema, tool_schema
+from needle_hf.models.needle.modeling_needle import NeedleForCausalLM
+from needle_hf.tools.tool_calls import parse_assistant_turn
 
 
 TOOLS = [
@@ -159,8 +159,8 @@ def test_flax_generate_with_the_processor_names_only_offered_tools(demo_folder):
     import numpy as np
     from transformers import FlaxLogitsProcessorList
 
-    from needle_hf.grammar import FlaxToolCallLogitsProcessor
-    from needle_hf.modeling_flax_needle import FlaxNeedleForCausalLM
+    from needle_hf.generation.grammar import FlaxToolCallLogitsProcessor
+    from needle_hf.models.needle.modeling_flax_needle import FlaxNeedleForCausalLM
 
     model = FlaxNeedleForCausalLM.from_pretrained(demo_folder)
     tokenizer = AutoTokenizer.from_pretrained(demo_folder)

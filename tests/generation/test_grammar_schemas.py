@@ -21,9 +21,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from needle_hf.grammar import (NUMBER_BOUND, ToolCallGrammar, ToolGrammarError, allowed_tokens, token_bytes,
+from needle_hf.generation.grammar import (NUMBER_BOUND, ToolCallGrammar, ToolGrammarError, allowed_tokens, token_bytes,
                                tool_calls_json_schema)
-from needle_hf.tool_calls import MAX_JSON_DEPTH, parse_assistant_turn
+from needle_hf.tools.tool_calls import MAX_JSON_DEPTH, parse_assistant_turn
 
 pytestmark = pytest.mark.v5  # also runs under transformers 5.x (.venv-v5)
 

@@ -15,10 +15,10 @@ import transformers
 from flax_support import random_tokens, write_hf_folder
 from needle_reference import TINY_NATIVE_CONFIG, make_native_params, reference_config
 
-from needle_hf.configuration_needle import NeedleConfig
-from needle_hf.kv_window import engine_kv_window, kv_budget_window
-from needle_hf.modeling_needle import NeedleForCausalLM
-from needle_hf.weight_names import native_to_hf
+from needle_hf.models.needle.configuration_needle import NeedleConfig
+from needle_hf.generation.kv_window import engine_kv_window, kv_budget_window
+from needle_hf.models.needle.modeling_needle import NeedleForCausalLM
+from needle_hf.models.needle.weight_names import native_to_hf
 
 NATIVE = dict(TINY_NATIVE_CONFIG)
 WINDOW = 12
@@ -102,7 +102,7 @@ def test_pytorch_window_from_the_config(params, prompt, reference):
 
 @pytest.mark.skipif(not hasattr(transformers, "FlaxPreTrainedModel"), reason="transformers 5 has no Flax")
 def test_flax_window_matches_the_reference_prompt_and_cached_decoding(params, prompt, reference, tmp_path):
-    from needle_hf.modeling_flax_needle import FlaxNeedleForCausalLM
+    from needle_hf.models.needle.modeling_flax_needle import FlaxNeedleForCausalLM
 
     prompt_logits, tokens, step_logits = reference
     config = write_hf_folder(tmp_path, NATIVE, params)

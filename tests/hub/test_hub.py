@@ -39,8 +39,8 @@ from hub_support import (
 )
 from needle_hf.conversion.export import ExportError
 from needle_hf.hub import PushError, add_push_arguments, push_folder, run_push
-from needle_hf.modeling_needle import NeedleForCausalLM
-from needle_hf.weight_names import NeedleWeightsError
+from needle_hf.models.needle.modeling_needle import NeedleForCausalLM
+from needle_hf.models.needle.weight_names import NeedleWeightsError
 
 WEIGHTS = "model.safetensors"
 
@@ -76,7 +76,7 @@ def torch_tensors(model: NeedleForCausalLM) -> dict[str, np.ndarray]:
 
 
 def flax_tensors(model) -> dict[str, np.ndarray]:
-    from needle_hf.modeling_flax_needle import flax_params_to_hf
+    from needle_hf.models.needle.modeling_flax_needle import flax_params_to_hf
 
     return flax_params_to_hf(model.params, model.config)
 
@@ -86,7 +86,7 @@ def load_tensors(framework: str, source: str, **kwargs) -> dict[str, np.ndarray]
     if framework == "torch":
         return torch_tensors(NeedleForCausalLM.from_pretrained(source, **kwargs))
     skip_without_flax_model()
-    from needle_hf.modeling_flax_needle import FlaxNeedleForCausalLM
+    from needle_hf.models.needle.modeling_flax_needle import FlaxNeedleForCausalLM
 
     return flax_tensors(FlaxNeedleForCausalLM.from_pretrained(source, **kwargs))
 
@@ -113,9 +113,9 @@ from pathlib import Path
 
 arguments = json.loads(sys.argv[1])
 if arguments["framework"] == "torch":
-    from needle_hf.modeling_needle import NeedleForCausalLM as model_class
+    from needle_hf.models.needle.modeling_needle import NeedleForCausalLM as model_class
 else:
-    from needle_hf.modeling_flax_needle import FlaxNeedleForCausalLM as model_class
+    from needle_hf.models.needle.modeling_flax_needle import FlaxNeedleForCausalLM as model_class
 chain = []
 try:
     model_class.from_pretrained(arguments["repo_id"], cache_dir=arguments["cache_dir"])

@@ -33,9 +33,9 @@ from hub_support import (
 from needle_reference import BASE_NATIVE_CONFIG, _param_shapes, make_native_params, write_native_checkpoint
 
 import needle_hf
-from needle_hf.configuration_needle import NeedleConfig
+from needle_hf.models.needle.configuration_needle import NeedleConfig
 from needle_hf.hub import push_folder
-from needle_hf.model_card import (
+from needle_hf.hub.model_card import (
     LICENSE,
     NEEDLE2_REPO_ID,
     TAGS,
@@ -43,7 +43,7 @@ from needle_hf.model_card import (
     parameter_count,
     render_model_card,
 )
-from needle_hf.modeling_needle import NeedleForCausalLM
+from needle_hf.models.needle.modeling_needle import NeedleForCausalLM
 
 EXPECTED_METADATA = {
     "license": "apache-2.0",  # cactus-needle 2.x is published under Apache-2.0

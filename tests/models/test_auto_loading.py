@@ -31,7 +31,7 @@ from hub_support import (
     write_needle_folder,
 )
 from needle_hf.hub import push_folder
-from needle_hf.modeling_needle import NeedleForCausalLM, NeedleModel
+from needle_hf.models.needle.modeling_needle import NeedleForCausalLM, NeedleModel
 
 TEXT = "Turn the living room lights off at nine."
 FLOAT32_TOLERANCE = 1e-5

@@ -11,8 +11,8 @@ from flax.traverse_util import flatten_dict
 import needle_hf
 from flax_support import random_tokens, write_hf_folder
 from needle_reference import TINY_NATIVE_CONFIG, make_native_params
-from needle_hf.configuration_needle import NeedleConfig
-from needle_hf.weight_names import NeedleWeightsError
+from needle_hf.models.needle.configuration_needle import NeedleConfig
+from needle_hf.models.needle.weight_names import NeedleWeightsError
 from transformers import (
     FLAX_MODEL_FOR_CAUSAL_LM_MAPPING,
     FLAX_MODEL_MAPPING,

@@ -13,9 +13,9 @@ import sentencepiece
 from needle.model.finetune import _encode, render_example
 from needle.model.tokenizer import SANTokenizer
 
-from needle_hf.chat_template import NEEDLE_CHAT_TEMPLATE
-from needle_hf.tokenization_needle import BOS_ID, EOS_ID, PAD_ID, build_fast_tokenizer
-from needle_hf.tool_calls import (
+from needle_hf.models.needle.chat_template import NEEDLE_CHAT_TEMPLATE
+from needle_hf.models.needle.tokenization_needle import BOS_ID, EOS_ID, PAD_ID, build_fast_tokenizer
+from needle_hf.tools.tool_calls import (
     AssistantTurn,
     ToolCallParseError,
     parse_assistant_turn,

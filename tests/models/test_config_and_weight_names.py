@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from needle_reference import BASE_NATIVE_CONFIG, TINY_NATIVE_CONFIG, make_native_params, reference_config
-from needle_hf.configuration_needle import NeedleConfig
-from needle_hf.numerics import engram_indices_numpy, hyper_connection_offsets, walsh_matrix
-from needle_hf.weight_names import (
+from needle_hf.models.needle.configuration_needle import NeedleConfig
+from needle_hf.models.needle.numerics import engram_indices_numpy, hyper_connection_offsets, walsh_matrix
+from needle_hf.models.needle.weight_names import (
     NeedleWeightsError,
     check_hf_weights,
     hf_to_native,

@@ -17,10 +17,10 @@ import transformers
 from needle_reference import TINY_NATIVE_CONFIG, make_native_params
 from transformers import GenerationConfig
 
-from needle_hf.configuration_needle import NeedleConfig
-from needle_hf.modeling_needle import NeedleForCausalLM
-from needle_hf.speculative import MTPGenerateOutput
-from needle_hf.weight_names import native_to_hf
+from needle_hf.models.needle.configuration_needle import NeedleConfig
+from needle_hf.models.needle.modeling_needle import NeedleForCausalLM
+from needle_hf.models.needle.speculative import MTPGenerateOutput
+from needle_hf.models.needle.weight_names import native_to_hf
 
 MAJOR = int(transformers.__version__.split(".")[0])
 GREEDY = dict(do_sample=False, eos_token_id=None, pad_token_id=0, max_new_tokens=12)

@@ -18,17 +18,17 @@ from flax_support import write_hf_folder
 from needle_reference import TINY_NATIVE_CONFIG, make_native_params, reference_config
 
 from needle_hf import deploy_numerics, deploy_numerics_flax
-from needle_hf.configuration_needle import NeedleConfig
-from needle_hf.modeling_flax_needle import FlaxNeedleForCausalLM
-from needle_hf.modeling_needle import NeedleForCausalLM
-from needle_hf.numerics import (
+from needle_hf.models.needle.configuration_needle import NeedleConfig
+from needle_hf.models.needle.modeling_flax_needle import FlaxNeedleForCausalLM
+from needle_hf.models.needle.modeling_needle import NeedleForCausalLM
+from needle_hf.models.needle.numerics import (
     CQ_KV_GROUP,
     CQ_WEIGHT_GROUP,
     DEFAULT_WEIGHT_BITS,
     TERNARY_BITS,
     is_cq_weight,
 )
-from needle_hf.weight_names import cq_weight_bits, native_to_hf, weight_specs
+from needle_hf.models.needle.weight_names import cq_weight_bits, native_to_hf, weight_specs
 
 TOLERANCE = 1e-4
 SEQUENCE_LENGTH = 20

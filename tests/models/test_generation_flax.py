@@ -8,8 +8,8 @@ import pytest
 
 from flax_support import random_tokens, write_hf_folder
 from needle_reference import TINY_NATIVE_CONFIG, make_native_params, reference_config
-from needle_hf.modeling_flax_needle import FUSED_QKVG_KERNEL, FlaxNeedleForCausalLM, with_decoding_kernels
-from needle_hf.numerics import FUSED_QKVG_PROJECTIONS
+from needle_hf.models.needle.modeling_flax_needle import FUSED_QKVG_KERNEL, FlaxNeedleForCausalLM, with_decoding_kernels
+from needle_hf.models.needle.numerics import FUSED_QKVG_PROJECTIONS
 
 NATIVE = dict(TINY_NATIVE_CONFIG, vocab_size=800)  # the fixture tokenizer's vocabulary
 F32_TOL = 1e-4

@@ -7,8 +7,8 @@ import pytest
 import sentencepiece
 from needle.model.finetune import _encode, render_example
 
-from needle_hf.chat_template import CHAT_MARKERS, MESSAGE_TEXT_ESCAPE
-from needle_hf.tool_calls import ToolCallParseError, parse_assistant_turn, parse_tool_calls
+from needle_hf.models.needle.chat_template import CHAT_MARKERS, MESSAGE_TEXT_ESCAPE
+from needle_hf.tools.tool_calls import ToolCallParseError, parse_assistant_turn, parse_tool_calls
 from test_chat_template import fast_tokenizer, reference_tokenizer  # noqa: F401  (fixtures)
 
 SPECIAL_TEXTS = ("<s>", "</s>", "<pad>", "<unk>")

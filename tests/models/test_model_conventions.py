@@ -16,9 +16,9 @@ import pytest
 import torch
 from transformers import DynamicCache, GenerationMixin
 
-from needle_hf.configuration_needle import NeedleConfig
-from needle_hf.finetune_torch import needle_causal_lm_loss
-from needle_hf.modeling_needle import CACHE_OUTPUT_FIELD, NeedleForCausalLM
+from needle_hf.models.needle.configuration_needle import NeedleConfig
+from needle_hf.finetune.trainer import needle_causal_lm_loss
+from needle_hf.models.needle.modeling_needle import CACHE_OUTPUT_FIELD, NeedleForCausalLM
 
 pytestmark = [pytest.mark.v5, pytest.mark.usefixtures("one_cpu_thread")]  # conftest: torch on one thread
 

@@ -21,8 +21,8 @@ from needle_reference import (
     reference_heads,
     reference_logits,
 )
-from needle_hf.modeling_flax_needle import FlaxNeedleForCausalLM, FlaxNeedleModel, sinkhorn
-from needle_hf.weight_names import NeedleWeightsError, hf_weight_shapes
+from needle_hf.models.needle.modeling_flax_needle import FlaxNeedleForCausalLM, FlaxNeedleModel, sinkhorn
+from needle_hf.models.needle.weight_names import NeedleWeightsError, hf_weight_shapes
 from transformers import FlaxAutoModelForCausalLM
 
 SEEDS = (0, 1, 2)
@@ -229,7 +229,7 @@ def test_sinkhorn_matches_the_reference_rounds(spread):
 
 
 def test_over_long_input_raises():
-    from needle_hf.configuration_needle import NeedleConfig
+    from needle_hf.models.needle.configuration_needle import NeedleConfig
 
     config = NeedleConfig.from_needle_config(TINY_NATIVE_CONFIG)
     model = FlaxNeedleForCausalLM(config, _do_init=False)

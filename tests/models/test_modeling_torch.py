@@ -21,16 +21,16 @@ from needle_reference import (
     reference_logits,
 )
 
-from needle_hf.configuration_needle import NeedleConfig
-from needle_hf.modeling_needle import (
+from needle_hf.models.needle.configuration_needle import NeedleConfig
+from needle_hf.models.needle.modeling_needle import (
     NeedleForCausalLM,
     NeedleModel,
     NeedleWeightsError,
     engram_hash_indices,
     sinkhorn,
 )
-from needle_hf.numerics import engram_indices_numpy
-from needle_hf.weight_names import hf_weight_shapes, native_to_hf
+from needle_hf.models.needle.numerics import engram_indices_numpy
+from needle_hf.models.needle.weight_names import hf_weight_shapes, native_to_hf
 
 pytestmark = [pytest.mark.v5, pytest.mark.usefixtures("one_cpu_thread")]  # conftest: torch on one thread
 

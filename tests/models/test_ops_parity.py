@@ -17,8 +17,8 @@ import torch
 from conversion import native_forward as numpy_ops
 from needle_hf import modeling_flax_needle as flax_ops
 from needle_hf import modeling_needle as torch_ops
-from needle_hf.configuration_needle import NeedleConfig
-from needle_hf.numerics import SINKHORN_LINEAR_SPACE_MAX_SPREAD, walsh_factor_sizes, walsh_matrix
+from needle_hf.models.needle.configuration_needle import NeedleConfig
+from needle_hf.models.needle.numerics import SINKHORN_LINEAR_SPACE_MAX_SPREAD, walsh_factor_sizes, walsh_matrix
 
 F32_TOL = 2e-6
 EPS = 1e-6

@@ -13,9 +13,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from needle_hf.configuration_needle import NeedleConfig
-from needle_hf.finetune_torch import needle_causal_lm_loss
-from needle_hf.modeling_needle import CACHE_OUTPUT_FIELD, NeedleForCausalLM
+from needle_hf.models.needle.configuration_needle import NeedleConfig
+from needle_hf.finetune.trainer import needle_causal_lm_loss
+from needle_hf.models.needle.modeling_needle import CACHE_OUTPUT_FIELD, NeedleForCausalLM
 
 pytestmark = [pytest.mark.v5, pytest.mark.usefixtures("one_cpu_thread")]  # conftest: torch on one thread
 
@@ -251,9 +251,9 @@ def test_trl_sft_trainer_padding_free_loss_equals_the_padded_loss(tmp_path, demo
     padded batch's loss, through TRL's own loss and through `NeedleSFTTrainer`'s, and a short run trains."""
     from trl import SFTConfig, SFTTrainer
 
-    from needle_hf.demo_data import make_demo_examples
-    from needle_hf.finetune_data import conversations_dataset
-    from needle_hf.finetune_trl import NeedleSFTTrainer
+    from needle_hf.demo.data import make_demo_examples
+    from needle_hf.finetune.data import conversations_dataset
+    from needle_hf.finetune.trainer_trl import NeedleSFTTrainer
 
     dataset = conversations_dataset(make_demo_examples(6, seed=1))
     config = NeedleConfig(**dict(TINY, vocab_size=demo_tokenizer.vocab_size if hasattr(demo_tokenizer, "vocab_size")

@@ -11,9 +11,9 @@ import jax
 import numpy as np
 import pytest
 
-from needle_hf.configuration_needle import NeedleConfig
-from needle_hf.finetune_flax import make_loss_function
-from needle_hf.modeling_flax_needle import FlaxNeedleForCausalLM, packed_segment_ids
+from needle_hf.models.needle.configuration_needle import NeedleConfig
+from needle_hf.finetune.trainer_flax import make_loss_function
+from needle_hf.models.needle.modeling_flax_needle import FlaxNeedleForCausalLM, packed_segment_ids
 
 TINY = dict(vocab_size=512, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3,
             max_position_embeddings=128, engram_layers=(0, 2), engram_slots=64)
@@ -78,7 +78,7 @@ def test_packed_fine_tuning_loss_and_gradients_equal_the_padded_batch(model):
 def test_packed_logits_equal_the_pytorch_twins(model, tmp_path):
     import torch
 
-    from needle_hf.modeling_needle import NeedleForCausalLM
+    from needle_hf.models.needle.modeling_needle import NeedleForCausalLM
 
     _, flat = batches(LENGTHS, seed=2)
     flax_logits = np.asarray(model(flat["input_ids"], position_ids=flat["position_ids"]).logits)

@@ -20,8 +20,8 @@ import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
 
 import needle_hf  # noqa: F401  (registers Needle with the Auto classes)
-from needle_hf.tool_calls import parse_tool_calls
-from needle_hf.weight_names import native_to_hf, optional_heads_in_native
+from needle_hf.tools.tool_calls import parse_tool_calls
+from needle_hf.models.needle.weight_names import native_to_hf, optional_heads_in_native
 
 from demo_support import (  # noqa: F401  (demo_folder: fixture)
     DEMO_CHECKPOINT,
@@ -81,7 +81,7 @@ def test_chat_with_tools_returns_a_parseable_call_to_the_right_tool(generator):
 
 
 def test_chat_answer_ends_at_the_end_of_the_turn_without_the_marker(generator, demo_folder):
-    from needle_hf.tokenization_needle_fast import NeedleTokenizerFast
+    from needle_hf.models.needle.tokenization_needle_fast import NeedleTokenizerFast
 
     tools, query, expected_tool = TOOL_QUERIES[0]
     tokenizer, model = generator.tokenizer, generator.model
@@ -150,7 +150,7 @@ _CHILD = textwrap.dedent("""
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
     import needle_hf  # registers Needle with the Auto classes
-    from needle_hf.tokenization_needle import save_fast_tokenizer
+    from needle_hf.models.needle.tokenization_needle import save_fast_tokenizer
 
     source, resave, results, text = sys.argv[1:5]
     model = AutoModelForCausalLM.from_pretrained(source, torch_dtype=torch.float32)

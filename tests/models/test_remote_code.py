@@ -31,12 +31,12 @@ from hub_support import (
     write_child_script,
     write_needle_folder,
 )
-from needle_hf.configuration_needle import NeedleConfig
+from needle_hf.models.needle.configuration_needle import NeedleConfig
 from needle_hf.hub import push_folder
-from needle_hf.modeling_needle import NeedleForCausalLM, NeedleModel
+from needle_hf.models.needle.modeling_needle import NeedleForCausalLM, NeedleModel
 from needle_hf import remote_code
-from needle_hf.remote_code import AUTO_MAP, remote_code_files, write_remote_code
-from needle_hf.tokenization_needle_fast import NeedleTokenizerFast
+from needle_hf.models.needle.remote_code import AUTO_MAP, remote_code_files, write_remote_code
+from needle_hf.models.needle.tokenization_needle_fast import NeedleTokenizerFast
 
 LOGIT_TOLERANCE = 1e-5
 TEXT = "Set an alarm for seven thirty tomorrow morning."
@@ -231,7 +231,7 @@ def package_outputs(remote_folder):
 @pytest.fixture(scope="module")
 def package_flax_logits(remote_folder, package_outputs):
     skip_without_flax_model()
-    from needle_hf.modeling_flax_needle import FlaxNeedleForCausalLM
+    from needle_hf.models.needle.modeling_flax_needle import FlaxNeedleForCausalLM
 
     folder, _ = remote_folder
     model = FlaxNeedleForCausalLM.from_pretrained(folder)
@@ -298,7 +298,7 @@ def test_pytorch_save_pretrained_writes_the_model_code_and_auto_map(remote_folde
 
 def test_flax_save_pretrained_writes_the_model_code_and_auto_map(remote_folder, tmp_path):
     skip_without_flax_model()
-    from needle_hf.modeling_flax_needle import FlaxNeedleForCausalLM
+    from needle_hf.models.needle.modeling_flax_needle import FlaxNeedleForCausalLM
 
     folder, _ = remote_folder
     FlaxNeedleForCausalLM.from_pretrained(folder).save_pretrained(tmp_path)

@@ -13,8 +13,8 @@ import transformers
 from transformers import AutoTokenizer
 
 from needle_hf.models.needle.response_template import RESPONSE_TEMPLATE
-from needle_hf.tokenization_needle import save_fast_tokenizer
-from needle_hf.tool_calls import parse_assistant_turn, parse_tool_calls, to_openai_tool_calls
+from needle_hf.models.needle.tokenization_needle import save_fast_tokenizer
+from needle_hf.tools.tool_calls import parse_assistant_turn, parse_tool_calls, to_openai_tool_calls
 
 pytestmark = pytest.mark.v5  # the transformers 5.x suite (.venv-v5)
 

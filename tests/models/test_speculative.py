@@ -16,9 +16,9 @@ from needle_reference import TINY_NATIVE_CONFIG, make_native_params
 from demo_support import demo_folder  # noqa: F401  (fixture: the demo as a HF folder)
 from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessorList, TopKLogitsWarper
 
-from needle_hf.configuration_needle import NeedleConfig
-from needle_hf.modeling_needle import NeedleForCausalLM
-from needle_hf.weight_names import native_to_hf
+from needle_hf.models.needle.configuration_needle import NeedleConfig
+from needle_hf.models.needle.modeling_needle import NeedleForCausalLM
+from needle_hf.models.needle.weight_names import native_to_hf
 
 PROMPT = 20
 NEW_TOKENS = 40

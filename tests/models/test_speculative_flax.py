@@ -18,7 +18,7 @@ from test_speculative import (GREEDY, PROMPT, SAMPLING, _copying_mtp, _demo_inpu
                               _model)
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from needle_hf.modeling_flax_needle import FlaxNeedleForCausalLM
+from needle_hf.models.needle.modeling_flax_needle import FlaxNeedleForCausalLM
 
 
 def _flax(torch_model, folder) -> FlaxNeedleForCausalLM:

@@ -12,9 +12,9 @@ import sentencepiece
 import transformers
 from spm_fixture import FIXTURE_CHAT_MARKERS, FIXTURE_VOCAB_SIZE, fixture_corpus, train_needle_spm
 
-from needle_hf.chat_template import TURN_MARKERS
+from needle_hf.models.needle.chat_template import TURN_MARKERS
 
-from needle_hf.tokenization_needle import (
+from needle_hf.models.needle.tokenization_needle import (
     BOS_ID,
     EOS_ID,
     PAD_ID,
@@ -322,7 +322,7 @@ def test_needle_tokenizer_class_loads_the_plain_folder_and_hides_the_turn_marker
                                                                                  fast_tokenizer):
     from transformers import AutoTokenizer
 
-    from needle_hf.tokenization_needle_fast import NeedleTokenizerFast
+    from needle_hf.models.needle.tokenization_needle_fast import NeedleTokenizerFast
 
     save_fast_tokenizer(fast_tokenizer, tmp_path)
     reloaded = NeedleTokenizerFast.from_pretrained(tmp_path)
@@ -339,7 +339,7 @@ def test_needle_tokenizer_class_loads_the_plain_folder_and_hides_the_turn_marker
 def test_folders_that_name_the_needle_class_still_load_with_needle_hf(tmp_path, fast_tokenizer):
     from transformers import AutoTokenizer
 
-    from needle_hf.tokenization_needle_fast import NeedleTokenizerFast
+    from needle_hf.models.needle.tokenization_needle_fast import NeedleTokenizerFast
 
     save_fast_tokenizer(fast_tokenizer, tmp_path)
     config_path = tmp_path / "tokenizer_config.json"

@@ -16,9 +16,9 @@ from needle_reference import TINY_NATIVE_CONFIG, make_native_params
 from transformers import DynamicCache, StaticCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from needle_hf.configuration_needle import NeedleConfig
-from needle_hf.modeling_needle import NeedleEngramCacheLayer, NeedleForCausalLM
-from needle_hf.weight_names import native_to_hf
+from needle_hf.models.needle.configuration_needle import NeedleConfig
+from needle_hf.models.needle.modeling_needle import NeedleEngramCacheLayer, NeedleForCausalLM
+from needle_hf.models.needle.weight_names import native_to_hf
 
 pytestmark = [pytest.mark.v5, pytest.mark.usefixtures("one_cpu_thread")]  # conftest: torch on one thread
 
@@ -163,7 +163,7 @@ def test_sinkhorn_has_no_data_dependent_branch_and_matches_the_reference():
     import jax.numpy as jnp
     from needle.model.architecture import _sinkhorn
 
-    from needle_hf.modeling_needle import sinkhorn
+    from needle_hf.models.needle.modeling_needle import sinkhorn
 
     rng = np.random.default_rng(3)
     logits = np.concatenate([rng.uniform(0, 8, (3, 4, 4)), rng.uniform(0, 200, (3, 4, 4))]).astype(np.float32)
@@ -311,8 +311,8 @@ def test_onnx_export_runs_in_onnxruntime_with_the_exact_engram_hash():
     numpy statement's rows."""
     onnxruntime = pytest.importorskip("onnxruntime")
     pytest.importorskip("onnxscript")
-    from needle_hf.modeling_needle import engram_hash_indices
-    from needle_hf.numerics import engram_indices_numpy
+    from needle_hf.models.needle.modeling_needle import engram_hash_indices
+    from needle_hf.models.needle.numerics import engram_indices_numpy
 
     config = NeedleConfig(
         vocab_size=8192, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=1,

@@ -8,9 +8,9 @@ import pytest
 import torch
 from needle_reference import TINY_NATIVE_CONFIG, make_native_params
 
-from needle_hf.configuration_needle import NeedleConfig
-from needle_hf.modeling_needle import NeedleForCausalLM
-from needle_hf.weight_names import native_to_hf
+from needle_hf.models.needle.configuration_needle import NeedleConfig
+from needle_hf.models.needle.modeling_needle import NeedleForCausalLM
+from needle_hf.models.needle.weight_names import native_to_hf
 
 pytestmark = [pytest.mark.v5, pytest.mark.usefixtures("one_cpu_thread")]  # conftest: torch on one thread
 

@@ -123,7 +123,7 @@ def test_save_and_reload_through_auto_classes(model, tmp_path):
 def test_engram_hash_matches_the_numpy_statement():
     """With no seed stride the Needle 3 hash is Needle 2's (`numerics.engram_indices_numpy`)."""
     from needle_hf.models.needle3.modeling_needle3 import engram_hash_indices
-    from needle_hf.numerics import engram_indices_numpy
+    from needle_hf.models.needle.numerics import engram_indices_numpy
 
     config = Needle3Config(**{**CONFIG, "engram_seed_heads": 0})
     tokens = np.random.default_rng(4).integers(0, 2**31, (2, 9))

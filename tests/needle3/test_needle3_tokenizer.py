@@ -4,6 +4,9 @@ token for token. The SentencePiece model is trained here with Needle 3's setting
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import sentencepiece
@@ -12,9 +15,10 @@ from needle.model.tokenizer import BOS_ID, CHAT_MARKERS, PAD_ID, SANTokenizer
 
 from needle3_reference import PLAIN_NATIVE_CONFIG, make_native_params, write_reference_checkpoint
 from needle_hf.models.needle3.tokenization_needle3 import NEEDLE3_CHAT_MARKERS, build_needle3_tokenizer
-from needle_hf.tokenization_needle import TokenizerSourceError
+from needle_hf.models.needle.tokenization_needle import TokenizerSourceError
 from spm_fixture import FIXTURE_CHAT_MARKERS, fixture_corpus, train_needle_spm
-from test_chat_template import CASES
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))  # Needle 2's chat-template cases
+from test_chat_template import CASES  # noqa: E402
 
 VOCAB = 900
 TEXTS = [

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 from transformers import GenerationConfig
 
-from needle_hf.configuration_needle import NeedleConfig
+from needle_hf.models.needle.configuration_needle import NeedleConfig
 from needle_hf.demo import DEMO_DIR
-from needle_hf.tokenization_needle import build_fast_tokenizer, save_fast_tokenizer
-from needle_hf.weight_names import native_to_hf, optional_heads_in_native
+from needle_hf.models.needle.tokenization_needle import build_fast_tokenizer, save_fast_tokenizer
+from needle_hf.models.needle.weight_names import native_to_hf, optional_heads_in_native
 
 DEMO_CHECKPOINT = DEMO_DIR / "needle2-demo.pkl"
 DEMO_TOKENIZER = DEMO_DIR / "tokenizer.model"

@@ -24,12 +24,12 @@ from finetune_support import FINETUNE_NATIVE_CONFIG  # noqa: E402
 from peft import get_peft_model  # noqa: E402
 from transformers import TrainingArguments  # noqa: E402
 
-from needle_hf.configuration_needle import NeedleConfig  # noqa: E402
-from needle_hf.demo_data import make_demo_examples  # noqa: E402
-from needle_hf.finetune_data import NeedlePaddingCollator, conversations_dataset, tokenize_conversations  # noqa: E402
-from needle_hf.finetune_torch import NeedleTrainer, needle_lora_config  # noqa: E402
-from needle_hf.modeling_needle import NeedleForCausalLM  # noqa: E402
-from needle_hf.tokenization_needle import PAD_ID, build_fast_tokenizer  # noqa: E402
+from needle_hf.models.needle.configuration_needle import NeedleConfig  # noqa: E402
+from needle_hf.demo.data import make_demo_examples  # noqa: E402
+from needle_hf.finetune.data import NeedlePaddingCollator, conversations_dataset, tokenize_conversations  # noqa: E402
+from needle_hf.finetune.trainer import NeedleTrainer, needle_lora_config  # noqa: E402
+from needle_hf.models.needle.modeling_needle import NeedleForCausalLM  # noqa: E402
+from needle_hf.models.needle.tokenization_needle import PAD_ID, build_fast_tokenizer  # noqa: E402
 
 
 def main():

@@ -52,7 +52,7 @@ EXAMPLES = [
 @pytest.fixture(scope="module")
 def fast_tokenizer(needle_spm_model):
     """The fast Needle tokenizer of the session's SentencePiece model (import into a test module to use)."""
-    from needle_hf.tokenization_needle import build_fast_tokenizer
+    from needle_hf.models.needle.tokenization_needle import build_fast_tokenizer
 
     return build_fast_tokenizer(needle_spm_model)
 
@@ -155,9 +155,9 @@ def torch_model_of(params: dict):
     """A float32 `NeedleForCausalLM` of FINETUNE_NATIVE_CONFIG holding reference parameters (strict load)."""
     import torch
 
-    from needle_hf.configuration_needle import NeedleConfig
-    from needle_hf.modeling_needle import NeedleForCausalLM
-    from needle_hf.weight_names import native_to_hf
+    from needle_hf.models.needle.configuration_needle import NeedleConfig
+    from needle_hf.models.needle.modeling_needle import NeedleForCausalLM
+    from needle_hf.models.needle.weight_names import native_to_hf
 
     config = NeedleConfig.from_needle_config(FINETUNE_NATIVE_CONFIG)
     model = NeedleForCausalLM._from_config(config, torch_dtype=torch.float32)
@@ -169,7 +169,7 @@ def peft_model_with_the_parity_adapter(case: dict):
     """`torch_model_of` the parity weights, wrapped by PEFT, holding the parity case's reference adapter."""
     from peft import get_peft_model
 
-    from needle_hf.finetune_torch import needle_lora_config
+    from needle_hf.finetune.trainer import needle_lora_config
 
     model = get_peft_model(torch_model_of(case["params"]), needle_lora_config(rank=PARITY_RANK, alpha=PARITY_ALPHA))
     load_adapter_into_peft(model, case["lora"])

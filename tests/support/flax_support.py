@@ -7,8 +7,8 @@ import os
 import numpy as np
 from safetensors.numpy import save_file
 
-from needle_hf.configuration_needle import NeedleConfig
-from needle_hf.weight_names import native_to_hf, optional_heads_in_native
+from needle_hf.models.needle.configuration_needle import NeedleConfig
+from needle_hf.models.needle.weight_names import native_to_hf, optional_heads_in_native
 
 
 def write_hf_folder(path, native_config: dict, params: dict, dtype=None) -> NeedleConfig:

@@ -46,8 +46,8 @@ def write_needle_folder(path, native_config: dict, *, seed: int, spm_model):
     """
     from flax_support import write_hf_folder
 
-    from needle_hf.remote_code import write_remote_code
-    from needle_hf.tokenization_needle import build_fast_tokenizer, save_fast_tokenizer
+    from needle_hf.models.needle.remote_code import write_remote_code
+    from needle_hf.models.needle.tokenization_needle import build_fast_tokenizer, save_fast_tokenizer
 
     path = Path(path)
     config = write_hf_folder(path, native_config, make_native_params(native_config, seed))

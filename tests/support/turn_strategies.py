@@ -9,7 +9,7 @@ import json
 
 from hypothesis import strategies as st
 
-from needle_hf.chat_template import IM_END, THINK_END, THINK_START, TOOL_CALL_END, TOOL_CALL_START
+from needle_hf.models.needle.chat_template import IM_END, THINK_END, THINK_START, TOOL_CALL_END, TOOL_CALL_START
 
 MARKERS = (THINK_START, THINK_END, TOOL_CALL_START, TOOL_CALL_END, IM_END, "<|im_start|>")
 # Pieces that make a parser's life hard: markers, their halves, JSON's own syntax, escapes, unicode.

@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from turn_strategies import cut, outputs, tool_call_turns
 
-from needle_hf.chat_template import IM_END
-from needle_hf.tool_calls import ToolCallParseError, ToolCallStream, parse_assistant_turn
+from needle_hf.models.needle.chat_template import IM_END
+from needle_hf.tools.tool_calls import ToolCallParseError, ToolCallStream, parse_assistant_turn
 
 pytestmark = pytest.mark.v5  # also runs under transformers 5.x (.venv-v5)
 

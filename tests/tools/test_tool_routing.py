@@ -1,4 +1,4 @@
-"""Tool routing and answer confidence (`needle_hf.tool_routing`) against the reference heads.
+"""Tool routing and answer confidence (`needle_hf.tools.tool_routing`) against the reference heads.
 
 Parameters are reference-shaped with every leaf perturbed (`needle_reference`); the reference's
 `forward_contrastive` / `forward_confidence` run on the same token ids, one text at a time, while
@@ -12,10 +12,10 @@ import pytest
 import torch
 from needle_reference import TINY_NATIVE_CONFIG, make_native_params, reference_config
 
-from needle_hf.configuration_needle import NeedleConfig
-from needle_hf.modeling_needle import NeedleForCausalLM
-from needle_hf.tool_routing import NeedleToolCaller, answer_confidence, embed_tools, rank_tools, select_tools, tool_text
-from needle_hf.weight_names import native_to_hf
+from needle_hf.models.needle.configuration_needle import NeedleConfig
+from needle_hf.models.needle.modeling_needle import NeedleForCausalLM
+from needle_hf.tools.tool_routing import NeedleToolCaller, answer_confidence, embed_tools, rank_tools, select_tools, tool_text
+from needle_hf.models.needle.weight_names import native_to_hf
 
 TOLERANCE = 1e-4
 REFERENCE_WIDTH = 160  # tokens; longer than every text here
@@ -200,7 +200,7 @@ LONG_TOOL = _tool("long_tool", "word " * 1500, value="string")
      r"attention_mask: expected shape \(1, 4\)"),
 ])
 def test_bad_routing_inputs_name_the_field_with_expected_and_found(model, tokenizer, call, problem):
-    from needle_hf.tool_routing import ToolRoutingError
+    from needle_hf.tools.tool_routing import ToolRoutingError
 
     with pytest.raises(ToolRoutingError, match=problem):
         call(model, tokenizer)

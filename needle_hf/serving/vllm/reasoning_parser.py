@@ -1,6 +1,6 @@
 """vLLM reasoning parser ``needle``: a Needle answer's `<think>` block as `reasoning_content`.
 
-A Needle answer opens with an optional reasoning block, then the calls (see `needle_hf.tool_calls`):
+A Needle answer opens with an optional reasoning block, then the calls (see `needle_hf.tools.tool_calls`):
 
     <think>\\n{reasoning}\\n</think>\\n<tool_call>[...]</tool_call><|im_end|>
 

@@ -1,4 +1,4 @@
-"""The flat-batch engram of needle_hf.vllm equals the PyTorch twin's, request by request (no engine).
+"""The flat-batch engram of needle_hf.serving.vllm equals the PyTorch twin's, request by request (no engine).
 
 A mixed flat batch: a prompt from its start, a chunk in the middle of a text (its history is the
 11 tokens before the chunk), decoding steps with fewer and with more earlier tokens than the
@@ -12,9 +12,9 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from needle_hf.configuration_needle import NeedleConfig
-from needle_hf.modeling_needle import NeedleForCausalLM
-from needle_hf.vllm.model import flat_batch_engram_memory, merge_lookback
+from needle_hf.models.needle.configuration_needle import NeedleConfig
+from needle_hf.models.needle.modeling_needle import NeedleForCausalLM
+from needle_hf.serving.vllm.model import flat_batch_engram_memory, merge_lookback
 from vllm_support import perturb_every_parameter
 
 pytestmark = pytest.mark.vllm  # runs in .venv-vllm only

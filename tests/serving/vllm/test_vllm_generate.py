@@ -1,4 +1,4 @@
-"""vLLM's Needle (needle_hf.vllm) generates exactly what the PyTorch twin generates.
+"""vLLM's Needle (needle_hf.serving.vllm) generates exactly what the PyTorch twin generates.
 
 One batch of 16 prompts of 5-120 tokens, four of them sharing a 96-token prefix, on a perturbed
 tiny checkpoint (head size 32: vLLM's CPU attention has no 16). The PyTorch model scores each
@@ -15,9 +15,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import needle_hf  # noqa: F401  (registers Needle with the Auto classes)
-from needle_hf.configuration_needle import NeedleConfig
-from needle_hf.modeling_needle import NeedleForCausalLM
-from needle_hf.vllm.model import check_servable
+from needle_hf.models.needle.configuration_needle import NeedleConfig
+from needle_hf.models.needle.modeling_needle import NeedleForCausalLM
+from needle_hf.serving.vllm.model import check_servable
 from vllm_support import perturb_every_parameter, vllm_engine
 
 pytestmark = pytest.mark.vllm  # runs in .venv-vllm only

@@ -20,7 +20,7 @@ from test_pipeline import MAX_NEW_TOKENS, TOOL_QUERIES  # noqa: E402
 from test_vllm_tool_calls import hf_greedy_calls  # noqa: E402
 
 import needle_hf  # noqa: E402,F401
-from needle_hf.tool_calls import parse_assistant_turn  # noqa: E402
+from needle_hf.tools.tool_calls import parse_assistant_turn  # noqa: E402
 from vllm_support import demo_folder, vllm_server  # noqa: E402
 
 ANSWERS = [
@@ -41,7 +41,7 @@ def reasoning_parser(demo):
     from transformers import AutoTokenizer
     from vllm.reasoning import ReasoningParserManager
 
-    from needle_hf.vllm import REASONING_PARSER_NAME, register
+    from needle_hf.serving.vllm import REASONING_PARSER_NAME, register
 
     register()
     return ReasoningParserManager.get_reasoning_parser(REASONING_PARSER_NAME)(AutoTokenizer.from_pretrained(demo))
@@ -146,8 +146,8 @@ def test_grammar_extra_accepts_the_llguidance_vllm_pins():
 
     # ... and the grammar runs on that llguidance: a valid answer is accepted, a wrong tool is not
     # (tests/test_grammar.py, run in this venv too, checks it in depth).
-    from needle_hf.grammar import ToolCallGrammar
-    from needle_hf.tokenization_needle import build_fast_tokenizer
+    from needle_hf.generation.grammar import ToolCallGrammar
+    from needle_hf.models.needle.tokenization_needle import build_fast_tokenizer
 
     tokenizer = build_fast_tokenizer(str(Path(__file__).resolve().parents[2] / "scripts" / "demo" / "tokenizer.model"))
     grammar = ToolCallGrammar(tokenizer)

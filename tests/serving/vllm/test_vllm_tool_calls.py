@@ -3,7 +3,7 @@
 The server test starts `vllm serve DEMO_FOLDER --enable-auto-tool-choice --tool-call-parser needle`
 with no other Needle-specific flag (the plugin entry point registers model and parser) and asks it
 with the official `openai` client; the calls it returns must be the PyTorch model's greedy answer
-on the same chat, parsed by needle_hf.tool_calls, and name the tool the query asks for.
+on the same chat, parsed by needle_hf.tools.tool_calls, and name the tool the query asks for.
 """
 
 import json
@@ -18,8 +18,8 @@ from demo_support import MAX_NEW_TOKENS, TOOL_QUERIES  # noqa: E402
 from turn_strategies import cut, outputs  # noqa: E402
 
 import needle_hf  # noqa: E402,F401
-from needle_hf.tool_calls import parse_tool_calls  # noqa: E402
-from needle_hf.vllm.tool_parser import NeedleToolParser  # noqa: E402
+from needle_hf.tools.tool_calls import parse_tool_calls  # noqa: E402
+from needle_hf.serving.vllm.tool_parser import NeedleToolParser  # noqa: E402
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest  # noqa: E402
 from vllm.parser.abstract_parser import DelegatingParser  # noqa: E402
 from vllm_support import demo_folder, vllm_server  # noqa: E402
