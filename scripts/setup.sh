@@ -54,7 +54,7 @@ setup_v5() {
     pip_quiet .venv-v5/bin/python -m pip install "$TORCH" "transformers>=5,<6" "huggingface_hub>=1.0" \
         safetensors tokenizers sentencepiece protobuf jinja2 numpy pytest psutil "$REFERENCE" \
         "datasets==5.2.0" $FINETUNE \
-        "llguidance==1.9.1" "jsonschema>=4.20"
+        "llguidance==1.9.1" "jsonschema>=4.20" "hypothesis>=6.100" "pydantic>=2"
     rm -f .venv-v5/.needle-setup-*
     touch .venv-v5/.needle-setup-$STAMP
 }
