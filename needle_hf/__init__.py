@@ -43,7 +43,9 @@ _MODEL_CLASSES = {
     **(_TORCH_CLASSES if _has("torch") else {}),
     **(_FLAX_CLASSES if _has("jax") and _has("flax") and _transformers_has_flax() else {}),
 }
-__all__ = ["NeedleConfig", *_MODEL_CLASSES]
+# The tool-calling SDK (`needle_hf.sdk`): name -> where it is defined; imported on first access.
+_SDK_NAMES = ("Needle", "extract", "tool", "Field", "build_schema", "pydantic_schema", "ExtractionValidationError")
+__all__ = ["NeedleConfig", *_MODEL_CLASSES, *_SDK_NAMES]
 
 
 def _model_class(name: str) -> type:
@@ -51,9 +53,11 @@ def _model_class(name: str) -> type:
 
 
 def __getattr__(name: str):
-    """`needle_hf.<model class>`, imported on first access."""
+    """`needle_hf.<model class>` and the SDK's names (`needle_hf.Needle`, ...), imported on first access."""
     if name in _MODEL_CLASSES:
         return _model_class(name)
+    if name in _SDK_NAMES:
+        return getattr(importlib.import_module(".sdk", __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
