@@ -13,7 +13,9 @@ classes, pipelines and libraries that check the mapping read) imports the model 
 """
 
 import importlib
+import importlib.abc
 import importlib.util
+import sys
 
 from transformers import AutoConfig
 
@@ -143,3 +145,42 @@ def _register_auto_classes():
 
 
 _register_auto_classes()
+
+
+class _RegisterOnImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Registers the "tool-calling" pipeline task right after `transformers.pipelines` is imported.
+
+    That module is slow to import (it pulls in every pipeline, jax included where installed), so
+    importing needle_hf does not import it; this finder sees its import happen, lets it finish, then
+    registers the task (`needle_hf.sdk.pipeline`) and removes itself.
+    """
+
+    TARGET = "transformers.pipelines"
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != self.TARGET:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        self._inner = spec.loader
+        spec.loader = self
+        return spec
+
+    def create_module(self, spec):
+        return self._inner.create_module(spec)
+
+    def exec_module(self, module):
+        self._inner.exec_module(module)
+        module.__spec__.loader = self._inner
+        importlib.import_module(".sdk.pipeline", __name__)
+
+
+def _register_pipeline_task():
+    if _RegisterOnImport.TARGET in sys.modules:
+        if "NeedleForCausalLM" in _MODEL_CLASSES:
+            importlib.import_module(".sdk.pipeline", __name__)
+    elif "NeedleForCausalLM" in _MODEL_CLASSES and not any(isinstance(f, _RegisterOnImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _RegisterOnImport())
+
+
+_register_pipeline_task()

@@ -187,6 +187,42 @@ class Needle:
         return _extract(self._backend, text, schema, system=system, max_new_tokens=max_new_tokens, strict=strict,
                         top_k_tools=self.top_k_tools)
 
+    def complete_batch(self, queries: Sequence[str], max_new_tokens: int = 256, *, batch_size: int = 8) -> list[dict]:
+        """Answer each query on its own, as `complete` right after `reset()` would, decoding
+        ``batch_size`` prompts at a time (queries offered the same tools share a batch). The
+        conversation is reset afterwards."""
+        if batch_size < 1:
+            raise ValueError(f"batch_size: expected a positive int, got {batch_size!r}")
+        prompts, offered, envelopes = [], [], [None] * len(queries)
+        for index, query in enumerate(queries):
+            if not isinstance(query, str):
+                raise TypeError(f"queries[{index}]: expected a str, got {type(query).__name__}")
+            self.reset()
+            self._messages.append({"role": "user", "content": query})
+            self._offered = self._route(query)
+            prompts.append(self._prompt_ids(max_new_tokens))
+            offered.append(self._offered)
+        groups: dict[tuple, list[int]] = {}
+        for index, prompt in enumerate(prompts):
+            if prompt is None:
+                envelopes[index] = _envelope(error="the prompt with the tools offered does not fit in the model's "
+                                                   f"{self._backend.max_positions} positions", error_code="context_length")
+            else:
+                groups.setdefault(tuple(schema["name"] for schema in offered[index]), []).append(index)
+        for rows in groups.values():
+            for start in range(0, len(rows), batch_size):
+                chunk = rows[start:start + batch_size]
+                generations = self._backend.generate([prompts[i] for i in chunk], max_new_tokens=max_new_tokens,
+                                                     tools=offered[chunk[0]])
+                for index, generation in zip(chunk, generations):
+                    envelopes[index] = _envelope_of(self._backend, prompts[index], generation)
+        for query, envelope in zip(queries, envelopes):
+            sources = validation.GroundingSources([self._system, query])
+            years = validation.licensed_years(validation.source_years(query), self._system)
+            envelope["validation"] = self._validation(envelope["function_calls"], sources, years, query)
+        self.reset()
+        return envelopes
+
     def reset(self) -> None:
         """Forget the conversation (turns, texts and years seen)."""
         self._messages: list[dict] = []
@@ -246,24 +282,25 @@ class Needle:
             generation = self._backend.generate([prompt], max_new_tokens=max_new_tokens, tools=self._offered)[0]
             envelope = _envelope_of(self._backend, prompt, generation)
         calls = envelope["function_calls"]
-        envelope["validation"] = self._validation(calls, check_years=check_years)
+        years = validation.licensed_years(self._seen_years, self._system) if check_years else set()
+        envelope["validation"] = self._validation(calls, self._sources, years, self._last_query)
         self._messages.append({"role": "assistant", "tool_calls": calls,
                                **({"reasoning_content": envelope["reasoning"]} if envelope["reasoning"] else {})})
         return envelope
 
-    def _validation(self, calls: list, *, check_years: bool) -> dict:
+    def _validation(self, calls: list, sources: validation.GroundingSources, years: set, query: str) -> dict:
+        """``{"ungrounded", "negation"}`` of an answer; ``years``: the licensed years (empty: no year check)."""
         schemas = {schema["name"]: schema for schema in self._tool_schemas}
         ungrounded = []
-        years = validation.licensed_years(self._seen_years, self._system)
         for call in calls:
             schema = schemas.get(call["name"])
             if schema is None:
                 continue
-            paths = validation.ground_arguments(schema, call["arguments"], self._sources)
-            if check_years and years:
+            paths = validation.ground_arguments(schema, call["arguments"], sources)
+            if years:
                 paths += sorted(validation.date_year_check(schema, call["arguments"], years)[1])
             ungrounded += [f"{call['name']}.{path}" for path in dict.fromkeys(paths)]
-        return {"ungrounded": ungrounded, "negation": validation.is_negated(self._last_query)}
+        return {"ungrounded": ungrounded, "negation": validation.is_negated(query)}
 
     def _call(self, call: dict, flagged: dict, query: str, *, strict: bool) -> Any:
         name = call["name"]
