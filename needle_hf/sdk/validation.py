@@ -13,8 +13,8 @@ The reference SDK's public rules, reproduced exactly:
   - Schemas are walked through ``$ref`` (JSON pointers into the parameters, cycles stopped) and an
     ``anyOf``/``oneOf`` with exactly one non-null member (``Optional[X]``).
   - Numbers (`grounded_number_paths`): a numeric argument is grounded when its value is a number
-    written in the query or system text. Numbers are read as ASCII digits with an optional sign,
-    decimals and comma thousands separators (``1,200.50``); a digit run glued to a letter, dot or
+    written in the query or system text. Numbers are read as digits (of any script) with an optional
+    sign, decimals and comma thousands separators (``1,200.50``); a digit run glued to a letter, dot or
     comma on its left is not a number. ``run(strict=True)`` lets a flagged number through when it
     is grounded this way.
 
@@ -55,8 +55,8 @@ _YEAR_PATTERNS = tuple(re.compile(pattern) for pattern in (
 ))
 _DATE_YEAR = re.compile(r"^(\d{4})-")
 _DATE_FORMATS = ("date", "date-time")
-# An ASCII number: sign, digits with comma groups or plain, decimals; not glued to a word, dot or comma on the left.
-_ASCII_NUMBER = re.compile(r"(?<![\w.,])(?:[-+]?\d{1,3}(?:,\d{3})+(?:\.\d+)?|[-+]?\d+(?:\.\d+)?)(?!\d)", re.ASCII)
+# A number: sign, digits (any script) with comma groups or plain, decimals; not glued to a word, dot or comma on the left.
+_SOURCE_NUMBER = re.compile(r"(?<![\w.,])(?:[-+]?\d{1,3}(?:,\d{3})+(?:\.\d+)?|[-+]?\d+(?:\.\d+)?)(?!\d)")
 _NEGATION = re.compile(
     r"(?:^|[.,;:!?\n]\s*|\b(?:please|and|but|then|so|just)\s+)(?:don't|do not|dont|never|no need to|not)\b")
 _APOSTROPHES = dict.fromkeys(map(ord, "\u2019\u2018\u02bc\uff07`\u00b4"), "'")
@@ -167,9 +167,9 @@ def _numeric_leaves(arguments: Any, path: str = "") -> Iterator[tuple[str, Any]]
 
 
 def source_numbers(*texts: str | None) -> set[decimal.Decimal]:
-    """The numbers written in ``texts`` under the reference's reading (ASCII digits, comma groups)."""
+    """The numbers written in ``texts`` under the reference's reading (comma groups, no other separator)."""
     joined = "\n".join(text for text in texts if text)
-    return {decimal.Decimal(match.group(0).replace(",", "")) for match in _ASCII_NUMBER.finditer(joined)}
+    return {decimal.Decimal(match.group(0).replace(",", "")) for match in _SOURCE_NUMBER.finditer(joined)}
 
 
 def _as_decimal(value: Any) -> decimal.Decimal | None:
