@@ -12,7 +12,8 @@ bash scripts/setup.sh || exit 1
 V5_TESTS=(tests/test_modeling_torch.py tests/test_torch_decoding.py tests/test_torch_training.py
     tests/test_pipeline.py tests/test_tokenizer.py tests/test_chat_template.py tests/test_readme.py
     tests/test_finetune_data.py tests/test_finetune_torch.py tests/test_finetune_heads.py
-    tests/test_grammar.py tests/test_tool_routing.py tests/test_speculative.py tests/test_kv_window.py)
+    tests/test_grammar.py tests/test_tool_routing.py tests/test_speculative.py tests/test_kv_window.py
+    tests/test_sdk_tools_schema.py tests/test_sdk_validation.py tests/test_sdk_needle.py tests/test_sdk_pipeline.py)
 
 suite_v5() {
     echo "=== transformers 5.x (.venv-v5): PyTorch model and tokenizer suites ==="
