@@ -194,7 +194,7 @@ def test_run_calls_the_function_and_feeds_the_result_back(agents, framework):
     assert len(result["results"]) == len(CALLS) <= 2 * 5
     # The result went back to the model as a tool turn, rendered as the next user turn.
     tool_turns = [m for m in agent._messages if m["role"] == "tool"]
-    assert tool_turns[0] == {"role": "tool", "name": "set_alarm", "content": {"ok": True, "time": "6:30"}}
+    assert tool_turns[0] == {"role": "tool", "name": "set_alarm", "content": '{"ok":true,"time":"6:30"}'}
     prompt = agent._backend.tokenizer.decode(agent._prompt_ids(0))
     assert '<tool_result>[{"ok":true,"time":"6:30"}]</tool_result>' in prompt
     assert prompt.count("<tools>") == 1

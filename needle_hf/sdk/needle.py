@@ -174,9 +174,10 @@ class Needle:
             results = [self._call(call, flagged, query, strict=strict) for call in calls]
             executed.extend(results)
             for call, result in zip(calls, results):
-                content = _jsonable(result)
+                # JSON text, so that a string result is written quoted inside the results list
+                content = json.dumps(_jsonable(result), separators=(",", ":"), ensure_ascii=False)
                 self._messages.append({"role": "tool", "name": call["name"], "content": content})
-                self._see(json.dumps(content, ensure_ascii=False))
+                self._see(content)
             response = self._answer(max_new_tokens, check_years=False)
         response["results"] = executed
         return response
