@@ -130,7 +130,8 @@ def measure_reference(folder, row):
     first_call_s = time.perf_counter() - start
     ttft = statistics.median(timed(1) for _ in range(REPEATS))
     total = statistics.median(timed(NEW_TOKENS) for _ in range(REPEATS))
-    return {"row": row, "first_call_s": first_call_s, "total_s": total, "prompt_tokens": 1 + len(tokenizer.encode(prompt)),
+    return {"row": row, "first_call_s": first_call_s, "total_s": total,
+            "prompt_tokens": 1 + len(tokenizer.encode(prompt)),
             "new_tokens": NEW_TOKENS, "ttft_s": ttft, "decode_s_per_token": (total - ttft) / (NEW_TOKENS - 1),
             "peak_rss_bytes": peak_rss_bytes()}
 

@@ -142,12 +142,13 @@ class TorchBackend(_Backend):
         with torch.no_grad():
             out = self.model.generate(
                 input_ids=torch.from_numpy(ids).to(device), attention_mask=torch.from_numpy(mask).to(device),
-                max_new_tokens=max_new_tokens, do_sample=False, num_beams=1, logits_processor=LogitsProcessorList(processors),
+                max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
+                logits_processor=LogitsProcessorList(processors),
                 return_dict_in_generate=True, output_scores=True, eos_token_id=self.eos_token_id,
                 pad_token_id=self.pad_token_id, **options)
         end = time.perf_counter()
         new = out.sequences[:, ids.shape[1]:].cpu().numpy()  # [B, N]
-        probs = np.stack([torch.softmax(step.float(), dim=-1).cpu().numpy() for step in out.scores], axis=1)  # [B, N, V]
+        probs = np.stack([torch.softmax(s.float(), dim=-1).cpu().numpy() for s in out.scores], axis=1)  # [B, N, V]
         prefill = (clock[0] if clock else end) - start
         return [self._generation(new[row], probs[row], prefill, end - start - prefill) for row in range(len(rows))]
 
@@ -175,9 +176,10 @@ class TorchBackend(_Backend):
 
         rows = [self.tokenizer(text)["input_ids"] for text in texts]
         ids, mask = self._left_padded(rows, max(len(r) for r in rows))
+        device = self.model.device
         with torch.no_grad():
             embedding, log_temperature = self.model.contrastive_embedding(
-                torch.from_numpy(ids).to(self.model.device), attention_mask=torch.from_numpy(mask).to(self.model.device))
+                torch.from_numpy(ids).to(device), attention_mask=torch.from_numpy(mask).to(device))
         return embedding.float().cpu().numpy(), float(torch.exp(log_temperature.float()))
 
 
@@ -224,7 +226,8 @@ class FlaxBackend(_Backend):
         new, probs = [[] for _ in range(batch)], [[] for _ in range(batch)]
         finished = np.zeros(batch, dtype=bool)
         start = time.perf_counter()
-        logits, cache = self._step(self._params, jnp.asarray(ids, jnp.int32), jnp.asarray(full_mask), jnp.asarray(positions), cache)
+        logits, cache = self._step(self._params, jnp.asarray(ids, jnp.int32), jnp.asarray(full_mask),
+                                   jnp.asarray(positions), cache)
         prefill = None
         for _ in range(max_new_tokens):
             scores = np.asarray(logits)
@@ -255,7 +258,8 @@ class FlaxBackend(_Backend):
             next_position = next_position + 1
         end = time.perf_counter()
         prefill = end - start if prefill is None else prefill
-        return [Generation(new[row], probs[row], bool(finished[row]), prefill, end - start - prefill) for row in range(batch)]
+        decode = end - start - prefill
+        return [Generation(new[row], probs[row], bool(finished[row]), prefill, decode) for row in range(batch)]
 
     def confidence(self, rows) -> list[float]:
         ids, mask = self._padded_to_bucket(rows)

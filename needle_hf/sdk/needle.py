@@ -206,8 +206,9 @@ class Needle:
         groups: dict[tuple, list[int]] = {}
         for index, prompt in enumerate(prompts):
             if prompt is None:
-                envelopes[index] = _envelope(error="the prompt with the tools offered does not fit in the model's "
-                                                   f"{self._backend.max_positions} positions", error_code="context_length")
+                envelopes[index] = _envelope(
+                    error=f"the prompt with the tools offered does not fit in the model's {self._backend.max_positions}"
+                          " positions", error_code="context_length")
             else:
                 groups.setdefault(tuple(schema["name"] for schema in offered[index]), []).append(index)
         for rows in groups.values():
@@ -259,7 +260,7 @@ class Needle:
         return [schemas[index] for index in best]
 
     def _prompt_ids(self, max_new_tokens: int) -> Optional[list[int]]:
-        """The prompt of the conversation, its oldest exchanges left out until it fits (None: not even the last turn fits)."""
+        """The conversation's prompt ids, its oldest exchanges left out until it fits (None: the last turn alone does not)."""
         system = [{"role": "system", "content": self._system}] if self._system else []
         window = list(self._messages)
         while True:
@@ -343,7 +344,8 @@ def _envelope_of(backend, prompt: list[int], generation, confidence_head: Option
     try:
         turn = parse_assistant_turn(text)
     except ToolCallParseError as error:
-        return _envelope(error=f"the answer is not a well-formed tool-call turn: {error}", error_code="malformed", **timing)
+        return _envelope(error=f"the answer is not a well-formed tool-call turn: {error}", error_code="malformed",
+                         **timing)
     token_confidence = min(generation.token_probs) if generation.token_probs else None
     if backend.has_confidence_head:
         head = confidence_head if confidence_head is not None else backend.confidence([prompt + generation.ids])[0]

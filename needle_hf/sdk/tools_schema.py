@@ -245,7 +245,8 @@ def tool_schema_of(entry: Any) -> dict:
         if entry.get("type") == "function" and isinstance(entry.get("function"), dict):
             return entry["function"]
         return entry
-    raise TypeError(f"tools: expected functions, pydantic models or schema dicts, got {type(entry).__name__}: {entry!r}")
+    raise TypeError(
+        f"tools: expected functions, pydantic models or schema dicts, got {type(entry).__name__}: {entry!r}")
 
 
 __all__ = ["Field", "build_schema", "is_field", "is_pydantic_model", "json_type", "parse_docstring",

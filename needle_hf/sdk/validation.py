@@ -22,7 +22,8 @@ Our rules for what the reference's engine checks in closed code (`ground_argumen
 `is_negated`), applied to every answer:
   - A string argument is grounded when every word of it occurs among the words of the texts seen
     since the last reset (system, queries, tool results). Words are runs of letters and runs of digits
-    (``7am`` is ``7`` and ``am``) after NFKC normalisation, with accents dropped and case folded (``Zurich`` is ``Zürich``); digit runs in any script compare by value
+    (``7am`` is ``7`` and ``am``) after NFKC normalisation, with accents dropped and case folded
+    (``Zurich`` is ``Zürich``); digit runs in any script compare by value
     (``٣`` is ``3``, ``07`` is ``7``), so do numbers written with thousands separators, and a run of
     zeros is always grounded (the ``00`` of ``7:00`` for ``7am``). Values fixed by the schema
     (``enum``, ``const``), dates (checked by the year rule) and texts with no word are exempt.
@@ -55,7 +56,7 @@ _YEAR_PATTERNS = tuple(re.compile(pattern) for pattern in (
 ))
 _DATE_YEAR = re.compile(r"^(\d{4})-")
 _DATE_FORMATS = ("date", "date-time")
-# A number: sign, digits (any script) with comma groups or plain, decimals; not glued to a word, dot or comma on the left.
+# A number: sign, digits (any script), comma groups or none, decimals; not glued to a word, dot or comma on its left.
 _SOURCE_NUMBER = re.compile(r"(?<![\w.,])(?:[-+]?\d{1,3}(?:,\d{3})+(?:\.\d+)?|[-+]?\d+(?:\.\d+)?)(?!\d)")
 _NEGATION = re.compile(
     r"(?:^|[.,;:!?\n]\s*|\b(?:please|and|but|then|so|just)\s+)(?:don't|do not|dont|never|no need to|not)\b")
@@ -66,7 +67,8 @@ _ANY_NUMBER = re.compile(r"(?<![\w.])[-+]?\d+(?:[,_\u2009\u202f\u00a0]\d{3})*(?:
 _UNITS = {word: value for value, word in enumerate(
     "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen "
     "seventeen eighteen nineteen".split())}
-_TENS = {word: 10 * (index + 2) for index, word in enumerate("twenty thirty forty fifty sixty seventy eighty ninety".split())}
+_TENS = {word: 10 * (index + 2)
+         for index, word in enumerate("twenty thirty forty fifty sixty seventy eighty ninety".split())}
 _SCALES = {"hundred": 100, "thousand": 1000, "million": 1_000_000}
 
 
@@ -221,7 +223,8 @@ def _numbers_in(text: str) -> set[decimal.Decimal]:
         sign, digits = (digits[0], digits[1:]) if digits[0] in "+-" else ("", digits)
         whole, _, fraction = digits.partition(".")
         try:
-            value = decimal.Decimal(f"{sign}{int(whole)}" + (f".{''.join(str(int(d)) for d in fraction)}" if fraction else ""))
+            decimals = "".join(str(int(digit)) for digit in fraction)  # digits of any script as ASCII
+            value = decimal.Decimal(f"{sign}{int(whole)}" + (f".{decimals}" if decimals else ""))
         except ValueError:
             continue
         numbers.add(value)
