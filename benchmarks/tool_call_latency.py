@@ -198,7 +198,10 @@ def main(argv=None):
         folder = os.path.join(root, "base")
         machine = run_worker(__file__, ["--worker", "prepare", folder])
         matmul, step_bytes = weight_counts(folder)
-        results = {row: run_worker(__file__, ["--worker", row, folder]) for row in rows}
+        results = {}
+        for row in rows:  # each row's raw figures as soon as they exist (the reference row takes minutes)
+            results[row] = run_worker(__file__, ["--worker", row, folder])
+            print(json.dumps(results[row]), flush=True)
     gemm, bandwidth = machine["gemm_flops_per_second"], machine["read_bandwidth_bytes_per_second"]
     decode_bound = bandwidth / step_bytes
     print(f"machine: float32 GEMM {gemm / 1e9:.1f} GFLOP/s (2 threads); read bandwidth {bandwidth / 1e9:.1f} GB/s"
