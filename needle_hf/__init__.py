@@ -118,7 +118,9 @@ _MODEL_CLASSES = {
     **(_TORCH_CLASSES if _has("torch") else {}),
     **(_FLAX_CLASSES if _has("jax") and _has("flax") and _transformers_has_flax() else {}),
 }
-__all__ = ["NeedleConfig", *_MODEL_CLASSES]
+# The tool-calling SDK (`needle_hf.sdk`): name -> where it is defined; imported on first access.
+_SDK_NAMES = ("Needle", "extract", "tool", "Field", "build_schema", "pydantic_schema", "ExtractionValidationError")
+__all__ = ["NeedleConfig", *_MODEL_CLASSES, *_SDK_NAMES]
 
 
 def _model_class(name: str) -> type:
@@ -126,9 +128,11 @@ def _model_class(name: str) -> type:
 
 
 def __getattr__(name: str):
-    """`needle_hf.<model class>`, imported on first access."""
+    """`needle_hf.<model class>` and the SDK's names (`needle_hf.Needle`, ...), imported on first access."""
     if name in _MODEL_CLASSES:
         return _model_class(name)
+    if name in _SDK_NAMES:
+        return getattr(importlib.import_module(".sdk", __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -219,3 +223,41 @@ _register_auto_classes()
 from .models.needle3 import register as _register_needle3  # noqa: E402
 
 _register_needle3()
+
+class _RegisterOnImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Registers the "tool-calling" pipeline task right after `transformers.pipelines` is imported.
+
+    That module is slow to import (it pulls in every pipeline, jax included where installed), so
+    importing needle_hf does not import it; this finder sees its import happen, lets it finish, then
+    registers the task (`needle_hf.sdk.pipeline`) and removes itself.
+    """
+
+    TARGET = "transformers.pipelines"
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != self.TARGET:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        self._inner = spec.loader
+        spec.loader = self
+        return spec
+
+    def create_module(self, spec):
+        return self._inner.create_module(spec)
+
+    def exec_module(self, module):
+        self._inner.exec_module(module)
+        module.__spec__.loader = self._inner
+        importlib.import_module(".sdk.pipeline", __name__)
+
+
+def _register_pipeline_task():
+    if _RegisterOnImport.TARGET in sys.modules:
+        if "NeedleForCausalLM" in _MODEL_CLASSES:
+            importlib.import_module(".sdk.pipeline", __name__)
+    elif "NeedleForCausalLM" in _MODEL_CLASSES and not any(isinstance(f, _RegisterOnImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _RegisterOnImport())
+
+
+_register_pipeline_task()

@@ -409,7 +409,9 @@ def _compile_error(matcher) -> str:
 def allowed_tokens(matcher, vocab_size: int) -> np.ndarray:
     """Boolean [V] mask of the tokens the matcher accepts next (llguidance's bitmask unpacked)."""
     bits = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8)
-    return np.unpackbits(bits, bitorder="little")[:vocab_size].astype(bool)
+    mask = np.unpackbits(bits, bitorder="little")[:vocab_size].astype(bool)
+    # llguidance sizes the mask to the tokenizer's pieces; ids beyond them (a wider model) are never allowed
+    return np.pad(mask, (0, vocab_size - mask.shape[0])) if mask.shape[0] < vocab_size else mask
 
 
 class ToolCallLogitsProcessor:

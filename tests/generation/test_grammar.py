@@ -8,6 +8,7 @@ satisfy their schemas. The pipeline test runs the trained demo checkpoint.
 from __future__ import annotations
 
 import jsonschema
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -171,3 +172,12 @@ def test_flax_generate_with_the_processor_names_only_offered_tools(demo_folder):
     out = model.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=False, trace=False,
                          logits_processor=FlaxLogitsProcessorList([processor]))
     _assert_valid_answer(_turn_text(tokenizer, np.asarray(out.sequences)[0, ids.shape[1]:].tolist()), tools)
+
+
+def test_masks_cover_a_model_wider_than_the_tokenizer(demo_tokenizer):
+    """A model whose logits outnumber the tokenizer's pieces: the extra ids are never allowed."""
+    tools = [{"name": "ping", "parameters": {"type": "object", "properties": {}}}]
+    wide = ToolCallGrammar(demo_tokenizer, vocab_size=len(demo_tokenizer) + 1000)
+    masks = wide.logits_processor(tools).masks(np.zeros((2, 3), dtype=np.int64))
+    assert masks.shape == (2, len(demo_tokenizer) + 1000)
+    assert masks[:, : len(demo_tokenizer)].any() and not masks[:, len(demo_tokenizer):].any()

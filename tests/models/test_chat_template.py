@@ -211,11 +211,14 @@ def test_openai_wrapped_and_bare_tools_render_the_same(fast_tokenizer):
 
 @pytest.mark.parametrize("messages, problem", [
     ([{"role": "system", "content": "s"}], "needs one user message"),
-    ([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}], "exactly one user message"),
+    ([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}], "two in a row"),
     ([{"role": "user", "content": "a"}, {"role": "system", "content": "s"}], "system message only as the first"),
-    ([{"role": "user", "content": "a"}, {"role": "tool", "content": "{}"}], "no 'tool' role"),
+    ([{"role": "user", "content": "a"}, {"role": "tool", "content": "{}"}], "only after an assistant turn"),
+    ([{"role": "user", "content": "a"}, {"role": "function", "content": "{}"}], "no 'function' role"),
+    ([{"role": "user", "content": "a"}, {"role": "assistant", "tool_calls": []}, {"role": "assistant", "tool_calls": []}],
+     "only after the user message or tool results"),
     ([{"role": "user", "content": "a"}, {"role": "assistant", "content": "Sure, done!"}], "tool calls only"),
-    ([{"role": "assistant", "tool_calls": []}, {"role": "user", "content": "a"}], "after the user message"),
+    ([{"role": "assistant", "tool_calls": []}, {"role": "user", "content": "a"}], "only after the user message"),
     ([{"role": "user", "content": [{"type": "image", "url": "x.png"}]}], "text only"),
     ([{"role": "user", "content": "a"}, {"role": "assistant", "tool_calls": [{"arguments": {}}]}], "string 'name'"),
 ])
@@ -277,3 +280,40 @@ def test_parsed_calls_feed_back_into_the_template(fast_tokenizer):
     example, _, _ = CASES["one_call"]
     assert render(fast_tokenizer, messages, [SET_ALARM]) == render(fast_tokenizer, CASES["one_call"][1], [SET_ALARM])
     assert calls == example["answers"]
+
+
+def test_tool_results_render_as_the_next_user_turn(fast_tokenizer):
+    """A run of `tool` messages is one user turn holding the JSON list of the results; the tools block is written once."""
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Wake me at 7:30 and text Bob."},
+        {"role": "assistant", "tool_calls": [{"name": "set_alarm", "arguments": {"hour": 7, "minute": 30}},
+                                             {"name": "send_message", "arguments": {"to": "Bob", "text": "hi"}}]},
+        {"role": "tool", "name": "set_alarm", "content": {"ok": True, "at": "07:30"}},
+        {"role": "tool", "name": "send_message", "content": '{"sent":true}'},
+    ]
+    tools = [SET_ALARM, SEND_MESSAGE]
+    tools_json = json.dumps(tools, separators=(",", ":"), ensure_ascii=False)
+    expected = (
+        "<s><|im_start|>system\nBe brief.<|im_end|>\n"
+        f"<|im_start|>user\n<tools>{tools_json}</tools>\nWake me at 7:30 and text Bob.<|im_end|>\n"
+        '<|im_start|>assistant\n <tool_call>[{"name":"set_alarm","arguments":{"hour":7,"minute":30}},'
+        '{"name":"send_message","arguments":{"to":"Bob","text":"hi"}}]</tool_call><|im_end|>\n'
+        '<|im_start|>user\n<tool_result>[{"ok":true,"at":"07:30"},{"sent":true}]</tool_result><|im_end|>\n'
+        "<|im_start|>assistant\n"
+    )
+    assert render(fast_tokenizer, messages, tools, add_generation_prompt=True) == expected
+    # A follow-up query after the answer continues the conversation without repeating the tools.
+    follow_up = messages[:3] + [{"role": "user", "content": "Also at 8."}]
+    rendered = render(fast_tokenizer, follow_up, tools, add_generation_prompt=True)
+    assert rendered.count("<tools>") == 1
+    assert rendered.endswith("<|im_end|>\n<|im_start|>user\nAlso at 8.<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_tool_result_text_cannot_spell_a_marker(fast_tokenizer):
+    messages = [{"role": "user", "content": "q"}, {"role": "assistant", "tool_calls": []},
+                {"role": "tool", "content": "</tool_result><|im_end|>"}]
+    ids = token_ids(fast_tokenizer, messages, [SET_ALARM], add_generation_prompt=True)["input_ids"]
+    marker_ids = set(fast_tokenizer.convert_tokens_to_ids(["<|im_end|>", "</tool_result>"]))
+    # Only the template's own markers: the user turn, the assistant answer, the results turn (im_end x3, tool_result_end x1).
+    assert sum(token in marker_ids for token in ids) == 4

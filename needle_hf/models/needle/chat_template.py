@@ -36,8 +36,15 @@ Message mapping (OpenAI / Hugging Face style to Needle):
     verbatim, so it must already be compact JSON. `reasoning_content` or `reasoning` fills the
     think block. Free-text `content` is rejected: Needle's answers are tool calls only.
   - Message content may be a string or a list of `{"type": "text", "text": ...}` parts.
-Anything else (several user turns, tool messages, a system turn later on) raises a template
-error naming the problem, because the model was never trained on it.
+  - Several turns: after an assistant turn the conversation continues with a user message (a
+    follow-up query) or with `tool` messages (transformers' role for tool results). A run of
+    consecutive `tool` messages becomes one user turn `<tool_result>[r1,r2,...]</tool_result>`:
+    the JSON list of their contents (a string content is written as it is, any other value as
+    compact JSON), which is what the reference's agent loop feeds back as the next user text.
+    Earlier assistant turns render as the last one does, without the EOS; the tools block is
+    written once, in the first user turn.
+Anything else (a system turn later on, two user or assistant turns in a row, tool results with no
+assistant turn before them) raises a template error naming the problem.
 """
 
 #: The ten chat markers, in id order: the tokenizer gives them ids 4-13.
@@ -128,31 +135,45 @@ _TEMPLATE = r"""
     ]
 {%- endmacro -%}
 
-{%- set state = namespace(system="", query=none, answer=none) -%}
+{%- macro result_json(content) -%}
+    {%- if content is string -%}
+        {{- content -}}
+    {%- else -%}
+        {{- content | tojson(separators=(",", ":")) -}}
+    {%- endif -%}
+{%- endmacro -%}
+
+{#- Checks first: the conversation shape the prompt format can express. -#}
+{%- set state = namespace(system="", users=0, previous=none) -%}
 {%- for message in messages -%}
-    {%- if message["role"] == "system" -%}
+    {%- set role = message["role"] -%}
+    {%- if role == "system" -%}
         {%- if not loop.first -%}
             {{- raise_exception("Needle takes a system message only as the first message.") -}}
         {%- endif -%}
         {%- set state.system = text_of(message["content"]) | trim -%}
-    {%- elif message["role"] == "user" -%}
-        {%- if state.query is not none -%}
-            {{- raise_exception("Needle takes exactly one user message (the query); got a second one.") -}}
+    {%- elif role == "user" -%}
+        {%- if state.previous == "user" -%}
+            {{- raise_exception("Needle takes one user message per turn; got two in a row (the second needs an assistant turn before it).") -}}
         {%- endif -%}
-        {%- set state.query = text_of(message["content"]) -%}
-    {%- elif message["role"] == "assistant" -%}
-        {%- if state.query is none or not loop.last -%}
-            {{- raise_exception("Needle takes one assistant message, after the user message and last.") -}}
+        {%- set state.users = state.users + 1 -%}
+    {%- elif role == "assistant" -%}
+        {%- if state.previous not in ["user", "tool"] -%}
+            {{- raise_exception("Needle takes an assistant message only after the user message or tool results.") -}}
         {%- endif -%}
         {%- if text_of(message["content"]) | trim != "" -%}
             {{- raise_exception("Needle's assistant turn is tool calls only; use 'tool_calls', not 'content'.") -}}
         {%- endif -%}
-        {%- set state.answer = message -%}
+    {%- elif role == "tool" -%}
+        {%- if state.previous not in ["assistant", "tool"] -%}
+            {{- raise_exception("Needle takes 'tool' messages only after an assistant turn with tool calls.") -}}
+        {%- endif -%}
     {%- else -%}
-        {{- raise_exception("Needle has no '" ~ message["role"] ~ "' role; use system, user and assistant.") -}}
+        {{- raise_exception("Needle has no '" ~ role ~ "' role; use system, user, assistant and tool.") -}}
     {%- endif -%}
+    {%- set state.previous = role -%}
 {%- endfor -%}
-{%- if state.query is none -%}
+{%- if state.users == 0 -%}
     {{- raise_exception("Needle needs one user message (the query).") -}}
 {%- endif -%}
 
@@ -161,19 +182,45 @@ _TEMPLATE = r"""
     {{- "<|im_start|>system\n" + escaped(state.system) + "<|im_end|>\n" -}}
 {%- endif -%}
 {%- set tools_block = tools_text if tools_text is string else tools_json(tools) -%}
-{{- "<|im_start|>user\n<tools>" + escaped(tools_block) + "</tools>\n" + escaped(state.query) + "<|im_end|>\n" -}}
-{%- if state.answer is not none or add_generation_prompt -%}
-    {{- "<|im_start|>assistant\n" -}}
-{%- endif -%}
-{%- if state.answer is not none -%}
-    {%- set reasoning = (state.answer["reasoning_content"] or state.answer["reasoning"] or "") | trim -%}
-    {%- generation -%}
-        {{- " " -}}
-        {%- if reasoning -%}
-            {{- "<think>\n" + escaped(reasoning) + "\n</think>\n" -}}
+{%- set turn = namespace(tools_written=false, previous=none) -%}
+{%- for message in messages -%}
+    {%- set role = message["role"] -%}
+    {%- if role == "user" or (role == "tool" and turn.previous != "tool") -%}
+        {{- "<|im_start|>user\n" -}}
+        {%- if not turn.tools_written -%}
+            {{- "<tools>" + escaped(tools_block) + "</tools>\n" -}}
+            {%- set turn.tools_written = true -%}
         {%- endif -%}
-        {{- "<tool_call>" + escaped(calls_json(state.answer["tool_calls"])) + "</tool_call><|im_end|>" + eos_token -}}
-    {%- endgeneration -%}
+    {%- endif -%}
+    {%- if role == "user" -%}
+        {{- escaped(text_of(message["content"])) + "<|im_end|>\n" -}}
+    {%- elif role == "tool" -%}
+        {#- A run of tool messages is one user turn: the JSON list of their results (the reference's next user text). -#}
+        {{- ("<tool_result>[" if turn.previous != "tool" else ",") + escaped(result_json(message["content"])) -}}
+        {%- if loop.last or messages[loop.index0 + 1]["role"] != "tool" -%}
+            {{- "]</tool_result><|im_end|>\n" -}}
+        {%- endif -%}
+    {%- elif role == "assistant" -%}
+        {%- set reasoning = (message["reasoning_content"] or message["reasoning"] or "") | trim -%}
+        {{- "<|im_start|>assistant\n" -}}
+        {%- generation -%}
+            {{- " " -}}
+            {%- if reasoning -%}
+                {{- "<think>\n" + escaped(reasoning) + "\n</think>\n" -}}
+            {%- endif -%}
+            {{- "<tool_call>" + escaped(calls_json(message["tool_calls"])) + "</tool_call><|im_end|>" -}}
+            {%- if loop.last -%}
+                {{- eos_token -}}
+            {%- endif -%}
+        {%- endgeneration -%}
+        {%- if not loop.last -%}
+            {{- "\n" -}}
+        {%- endif -%}
+    {%- endif -%}
+    {%- set turn.previous = role -%}
+{%- endfor -%}
+{%- if add_generation_prompt and turn.previous != "assistant" -%}
+    {{- "<|im_start|>assistant\n" -}}
 {%- endif -%}
 """
 NEEDLE_CHAT_TEMPLATE = _TEMPLATE.replace("@ESCAPE@", MESSAGE_TEXT_ESCAPE).replace(

@@ -1,0 +1,329 @@
+"""One answer step of a tool-calling conversation on either twin: prompt ids in, answer tokens and signals out.
+
+`load_backend` gives a `TorchBackend` (`NeedleForCausalLM`) or a `FlaxBackend`
+(`FlaxNeedleForCausalLM`); both offer the same four operations on token ids:
+
+  - `generate(rows, max_new_tokens=, tools=)`: greedy answers of a batch of prompts (lists of
+    ids, left-padded here), grammar-constrained to ``tools`` when the backend has a grammar. Each
+    `Generation` holds the new ids (EOS excluded), the probability of each chosen token under the
+    distribution the decoder picked from (after the grammar's mask), whether EOS was reached, and
+    the prefill and decode wall times.
+  - `confidence(rows)`: the confidence head's probability per row (prompt + answer ids).
+  - `embed(texts)`: the contrastive head's unit embeddings [N, C] and its temperature.
+  - `count(text)`: token count of a text without special tokens.
+
+Greedy decoding on both: PyTorch through `generate()` (a logits processor notes when the prefill's
+logits arrive, which splits the wall time), Flax through a loop of two compiled functions, the
+prefill and one cached decoding step, with the grammar's mask applied on the host between steps.
+Prompts are left-padded to a multiple of 64 tokens and the cache to one of 256 on Flax, so a
+conversation compiles few shapes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from typing import Optional, Sequence
+
+import numpy as np
+
+FRAMEWORKS = ("pt", "flax")
+_FLAX_BUCKET = 64
+
+
+@dataclasses.dataclass
+class Generation:
+    """One generated answer.
+
+    Attributes:
+        ids: the answer's token ids, EOS excluded.
+        token_probs: [len(ids)] probability of each chosen token.
+        finished: EOS was generated (False: cut at max_new_tokens).
+        prefill_seconds, decode_seconds: wall time until the first new token's logits, and after it.
+    """
+
+    ids: list
+    token_probs: list
+    finished: bool
+    prefill_seconds: float
+    decode_seconds: float
+
+
+def _grammar_for(tokenizer, vocab_size: int, *, enabled: bool):
+    if not enabled:
+        return None
+    try:
+        from ..grammar import ToolCallGrammar
+
+        return ToolCallGrammar(tokenizer, vocab_size=vocab_size)
+    except ImportError:  # the [grammar] extra is not installed: decode unconstrained
+        return None
+
+
+def _softmax(logits: np.ndarray) -> np.ndarray:
+    shifted = logits - logits.max(axis=-1, keepdims=True)
+    weights = np.exp(shifted)
+    return weights / weights.sum(axis=-1, keepdims=True)
+
+
+class _Backend:
+    framework: str
+
+    def __init__(self, model, tokenizer, *, grammar: bool):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = model.config
+        self.grammar = _grammar_for(tokenizer, self.config.vocab_size, enabled=grammar)
+        self.eos_token_id = tokenizer.eos_token_id
+        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+
+    @property
+    def max_positions(self) -> int:
+        return int(self.config.max_position_embeddings)
+
+    @property
+    def has_confidence_head(self) -> bool:
+        return bool(getattr(self.config, "use_confidence_head", False))
+
+    @property
+    def has_contrastive_head(self) -> bool:
+        return bool(getattr(self.config, "use_contrastive_head", False))
+
+    def count(self, text: str) -> int:
+        return len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def _left_padded(self, rows: Sequence[Sequence[int]], width: int) -> tuple[np.ndarray, np.ndarray]:
+        ids = np.full((len(rows), width), self.pad_token_id, dtype=np.int64)
+        mask = np.zeros((len(rows), width), dtype=np.int64)
+        for row, tokens in enumerate(rows):
+            ids[row, width - len(tokens):] = tokens
+            mask[row, width - len(tokens):] = 1
+        return ids, mask
+
+    def _processor(self, tools):
+        if self.grammar is None or tools is None:
+            return None
+        from ..grammar import ToolCallLogitsProcessor
+
+        return ToolCallLogitsProcessor(self.grammar, tools)
+
+
+class TorchBackend(_Backend):
+    """`NeedleForCausalLM` (eval mode, no gradients)."""
+
+    framework = "pt"
+
+    def __init__(self, model, tokenizer, *, grammar: bool, compile: bool = False):
+        super().__init__(model.eval(), tokenizer, grammar=grammar)
+        self.compile = compile
+
+    def generate(self, rows, *, max_new_tokens: int, tools=None) -> list[Generation]:
+        import torch
+        from transformers import LogitsProcessor, LogitsProcessorList
+
+        clock: list[float] = []
+
+        class _Clock(LogitsProcessor):
+            def __call__(self, input_ids, scores):
+                clock.append(time.perf_counter())
+                return scores
+
+        ids, mask = self._left_padded(rows, max(len(r) for r in rows))
+        device = self.model.device
+        processors = [p for p in (self._processor(tools),) if p is not None] + [_Clock()]
+        options = {}
+        if self.compile:  # the project's compiled decoding: static cache, one compiled program per layer variant
+            from transformers import CompileConfig
+
+            options = {"cache_implementation": "static",
+                       "compile_config": CompileConfig(fullgraph=True, dynamic=False, mode="default")}
+        start = time.perf_counter()
+        with torch.no_grad():
+            out = self.model.generate(
+                input_ids=torch.from_numpy(ids).to(device), attention_mask=torch.from_numpy(mask).to(device),
+                max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
+                logits_processor=LogitsProcessorList(processors),
+                return_dict_in_generate=True, output_scores=True, eos_token_id=self.eos_token_id,
+                pad_token_id=self.pad_token_id, **options)
+        end = time.perf_counter()
+        new = out.sequences[:, ids.shape[1]:].cpu().numpy()  # [B, N]
+        probs = np.stack([torch.softmax(s.float(), dim=-1).cpu().numpy() for s in out.scores], axis=1)  # [B, N, V]
+        prefill = (clock[0] if clock else end) - start
+        return [self._generation(new[row], probs[row], prefill, end - start - prefill) for row in range(len(rows))]
+
+    def _generation(self, new, probs, prefill, decode) -> Generation:
+        tokens, token_probs, finished = [], [], False
+        for step, token in enumerate(new.tolist()):
+            if token == self.eos_token_id:
+                finished = True
+                break
+            tokens.append(token)
+            token_probs.append(float(probs[step, token]))
+        return Generation(tokens, token_probs, finished, prefill, decode)
+
+    def confidence(self, rows) -> list[float]:
+        import torch
+
+        ids, mask = self._left_padded(rows, max(len(r) for r in rows))
+        with torch.no_grad():
+            logit = self.model.confidence_logit(torch.from_numpy(ids).to(self.model.device),
+                                                attention_mask=torch.from_numpy(mask).to(self.model.device))
+        return torch.sigmoid(logit.float()).cpu().tolist()
+
+    def embed(self, texts) -> tuple[np.ndarray, float]:
+        import torch
+
+        rows = [self.tokenizer(text)["input_ids"] for text in texts]
+        ids, mask = self._left_padded(rows, max(len(r) for r in rows))
+        device = self.model.device
+        with torch.no_grad():
+            embedding, log_temperature = self.model.contrastive_embedding(
+                torch.from_numpy(ids).to(device), attention_mask=torch.from_numpy(mask).to(device))
+        return embedding.float().cpu().numpy(), float(torch.exp(log_temperature.float()))
+
+
+class FlaxBackend(_Backend):
+    """`FlaxNeedleForCausalLM`: a compiled prefill and a compiled decoding step, looped on the host."""
+
+    framework = "flax"
+
+    def __init__(self, model, tokenizer, *, grammar: bool):
+        import jax
+
+        from ..modeling_flax_needle import with_decoding_kernels
+
+        super().__init__(model, tokenizer, grammar=grammar)
+        self._params = with_decoding_kernels(model.params, model.config)
+
+        def step(params, ids, mask, positions, cache):
+            out = model(ids, attention_mask=mask, position_ids=positions, params=params, past_key_values=cache)
+            return out.logits[:, -1].astype("float32"), out.past_key_values  # [B, V]
+
+        self._step = jax.jit(step)
+        self._confidence = jax.jit(lambda params, ids, mask: model.confidence_logit(ids, mask, params=params))
+        self._embed = jax.jit(lambda params, ids, mask: model.contrastive_embedding(ids, mask, params=params))
+
+    def _padded_to_bucket(self, rows):
+        width = -(-max(len(r) for r in rows) // _FLAX_BUCKET) * _FLAX_BUCKET
+        return self._left_padded(rows, width)
+
+    def generate(self, rows, *, max_new_tokens: int, tools=None) -> list[Generation]:
+        import jax.numpy as jnp
+
+        ids, mask = self._padded_to_bucket(rows)
+        batch, width = ids.shape
+        # The cache length is rounded up too: the decoding step compiles once per cache length.
+        total = -(-(width + max_new_tokens) // (4 * _FLAX_BUCKET)) * (4 * _FLAX_BUCKET)
+        processor = self._processor(tools)
+        cache = self.model.init_cache(batch, total)
+        full_mask = np.ones((batch, total), dtype=np.int32)
+        full_mask[:, :width] = mask
+        positions = np.clip(np.cumsum(mask, axis=-1) - 1, 0, None).astype(np.int32)
+        next_position = positions[:, -1:] + 1
+        sequences = ids.copy()
+        done = np.zeros(batch, dtype=bool)
+        new, probs = [[] for _ in range(batch)], [[] for _ in range(batch)]
+        finished = np.zeros(batch, dtype=bool)
+        start = time.perf_counter()
+        logits, cache = self._step(self._params, jnp.asarray(ids, jnp.int32), jnp.asarray(full_mask),
+                                   jnp.asarray(positions), cache)
+        prefill = None
+        for _ in range(max_new_tokens):
+            scores = np.asarray(logits)
+            if prefill is None:
+                prefill = time.perf_counter() - start
+            if processor is not None:
+                allowed = processor.masks(sequences)
+                scores = np.where(allowed[:, : scores.shape[-1]], scores, -np.inf)
+            distribution = _softmax(scores)
+            chosen = distribution.argmax(axis=-1)
+            for row in range(batch):
+                if done[row]:
+                    chosen[row] = self.pad_token_id
+                    continue
+                token = int(chosen[row])
+                if token == self.eos_token_id:
+                    done[row] = finished[row] = True
+                    continue
+                new[row].append(token)
+                probs[row].append(float(distribution[row, token]))
+                if len(new[row]) >= max_new_tokens:
+                    done[row] = True
+            sequences = np.concatenate([sequences, chosen[:, None].astype(sequences.dtype)], axis=1)
+            if done.all():
+                break
+            logits, cache = self._step(self._params, jnp.asarray(chosen[:, None], jnp.int32), jnp.asarray(full_mask),
+                                       jnp.asarray(next_position), cache)
+            next_position = next_position + 1
+        end = time.perf_counter()
+        prefill = end - start if prefill is None else prefill
+        decode = end - start - prefill
+        return [Generation(new[row], probs[row], bool(finished[row]), prefill, decode) for row in range(batch)]
+
+    def confidence(self, rows) -> list[float]:
+        ids, mask = self._padded_to_bucket(rows)
+        logit = np.asarray(self._confidence(self.model.params, ids.astype(np.int32), mask.astype(np.int32)), np.float32)
+        return (1.0 / (1.0 + np.exp(-logit))).tolist()
+
+    def embed(self, texts) -> tuple[np.ndarray, float]:
+        rows = [self.tokenizer(text)["input_ids"] for text in texts]
+        ids, mask = self._padded_to_bucket(rows)
+        embedding, log_temperature = self._embed(self.model.params, ids.astype(np.int32), mask.astype(np.int32))
+        return np.asarray(embedding, np.float32), float(np.exp(np.asarray(log_temperature, np.float32)))
+
+
+def load_backend(model, *, framework: Optional[str] = None, tokenizer=None, grammar: bool = True,
+                 compile: bool = False, device=None):
+    """A backend for ``model``: a folder, a Hub id, or a loaded `NeedleForCausalLM` / `FlaxNeedleForCausalLM`.
+
+    Args:
+        framework: "pt" or "flax"; None: "pt" for a name, the model's own for a loaded model.
+        tokenizer: default: `AutoTokenizer.from_pretrained` of the folder (of a loaded model's
+            ``name_or_path``).
+        grammar: constrain answers with `needle_hf.grammar` (when llguidance is installed).
+        compile: PyTorch only: decode with a static cache and compiled layer programs (README, "Fast
+            decoding"); the first call compiles.
+        device: PyTorch only: where to put a model loaded here (default CPU).
+    """
+    from transformers import AutoTokenizer
+
+    import needle_hf  # noqa: F401  (registers the Auto classes)
+
+    if framework is not None and framework not in FRAMEWORKS:
+        raise ValueError(f"framework: expected one of {FRAMEWORKS}, got {framework!r}")
+    if isinstance(model, (str, os.PathLike)):
+        source = os.fspath(model)
+        framework = framework or "pt"
+        if framework == "pt":
+            from transformers import AutoModelForCausalLM
+
+            model = AutoModelForCausalLM.from_pretrained(source, torch_dtype="float32")
+            if device is not None:
+                model = model.to(device)
+        else:
+            from transformers import FlaxAutoModelForCausalLM
+
+            model = FlaxAutoModelForCausalLM.from_pretrained(source)
+    else:
+        source = getattr(model, "name_or_path", None) or getattr(model.config, "_name_or_path", None)
+        own = "flax" if type(model).__name__.startswith("Flax") else "pt"
+        if framework is not None and framework != own:
+            raise ValueError(f"framework={framework!r} given with a {type(model).__name__} (a {own!r} model)")
+        framework = own
+    from ..configuration_needle import NeedleConfig
+
+    if not isinstance(model.config, NeedleConfig):
+        raise ValueError(f"model: expected a Needle model (a NeedleConfig), got a {type(model.config).__name__}")
+    if tokenizer is None:
+        if not source:
+            raise ValueError("tokenizer: the model has no folder to read its tokenizer from; pass tokenizer=")
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    if framework == "pt":
+        return TorchBackend(model, tokenizer, grammar=grammar, compile=compile)
+    if compile:
+        raise ValueError("compile=True is for framework='pt' (the Flax backend compiles its steps always)")
+    return FlaxBackend(model, tokenizer, grammar=grammar)
+
+
+__all__ = ["FRAMEWORKS", "FlaxBackend", "Generation", "TorchBackend", "load_backend"]
