@@ -156,7 +156,7 @@ def _timed(fn) -> float:
 def prepare(folder):
     from generate_worker import read_bandwidth_bytes_per_second
 
-    from needle_hf.tokenization_needle import build_fast_tokenizer
+    from needle_hf.models.needle.tokenization_needle import build_fast_tokenizer
 
     params, native = make_base_checkpoint(folder, with_heads=True)
     with open(os.path.join(folder, "native.pkl"), "wb") as handle:

@@ -281,7 +281,7 @@ def load_backend(model, *, framework: Optional[str] = None, tokenizer=None, gram
         framework: "pt" or "flax"; None: "pt" for a name, the model's own for a loaded model.
         tokenizer: default: `AutoTokenizer.from_pretrained` of the folder (of a loaded model's
             ``name_or_path``).
-        grammar: constrain answers with `needle_hf.grammar` (when llguidance is installed).
+        grammar: constrain answers with `needle_hf.generation.grammar` (when llguidance is installed).
         compile: PyTorch only: decode with a static cache and compiled layer programs (README, "Fast
             decoding"); the first call compiles.
         device: PyTorch only: where to put a model loaded here (default CPU).

@@ -95,7 +95,7 @@ def resolve_tools(tools) -> tuple[list[dict], dict]:
 
 
 def _tool_text(schema: dict) -> str:
-    """The text a tool is embedded from (as `needle_hf.tool_routing.tool_text`): compact JSON of the schema."""
+    """The text a tool is embedded from (as `needle_hf.tools.tool_routing.tool_text`): compact JSON of the schema."""
     return json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
 
 

@@ -13,7 +13,7 @@ import pytest
 import transformers
 
 import needle_hf
-from needle_hf.demo_data import DEMO_DATA_TOOLS
+from needle_hf.demo.data import DEMO_DATA_TOOLS
 from needle_hf.sdk import validation
 from demo_support import DEMO_CHECKPOINT, DEMO_TOKENIZER, build_folder_without_converter
 
