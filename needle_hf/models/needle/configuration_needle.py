@@ -10,6 +10,9 @@ import math
 import transformers
 from transformers import PretrainedConfig
 
+from .config_fields import MAX_FIELD_VALUE, ConfigFields  # noqa: F401  (MAX_FIELD_VALUE: part of this module's names)
+from .config_fields import shown as _shown
+
 TRANSFORMERS_MAJOR = int(transformers.__version__.split(".")[0])
 DEFAULT_ROPE_THETA = 100000.0
 DEFAULT_ROPE_TYPE = "default"
@@ -71,9 +74,6 @@ NATIVE_DEFAULTS = {
 }
 
 
-# Upper bounds on every size field: far above any Needle model, low enough that nothing sized by a
-# field (a weight table, a shape check, an allocation) can exhaust memory before the weights are read.
-MAX_FIELD_VALUE = 1 << 24
 # Widths the deployment numerics compute exactly. Activations: per-row absmax levels
 # +-(2**(act_bits - 1) - 1) in float32, whose integers are exact only up to 2**24 (and one bit
 # leaves no magnitude level), hence act_bits in [2, 25]. KV cache: CQ codebooks exist for 2, 3 and 4
@@ -82,40 +82,8 @@ ACT_BITS_RANGE = (2, 25)
 KV_CQ_BITS = (2, 3, 4)
 KV_BITS_UNQUANTISED = 8
 MAX_LIST_FIELD_LENGTH = 64
-
-
-def _shown(value) -> str:
-    text = repr(value)
-    return text if len(text) <= 40 else f"{text[:40]}... ({type(value).__name__})"
-
-
-def _integer(name, value, *, minimum, maximum=MAX_FIELD_VALUE) -> int:
-    """`value` as an int in [minimum, maximum]; a bool, a fraction, text, None or a list is an error."""
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int) and not type(value).__name__.startswith(("int", "uint")):
-        raise ValueError(f"Invalid NeedleConfig: {name} must be an integer, got {_shown(value)}")
-    value = int(value)
-    if not minimum <= value <= maximum:
-        raise ValueError(f"Invalid NeedleConfig: {name} must be in [{minimum}, {maximum}], got {value}")
-    return value
-
-
-def _integers(name, values, *, minimum) -> list[int]:
-    if isinstance(values, (str, bytes)) or not isinstance(values, (list, tuple)) or len(values) > MAX_LIST_FIELD_LENGTH:
-        raise ValueError(f"Invalid NeedleConfig: {name} must be a list of at most {MAX_LIST_FIELD_LENGTH} integers, "
-                         f"got {_shown(values)}")
-    return [_integer(f"{name}[{index}]", value, minimum=minimum) for index, value in enumerate(values)]
-
-
-def _real(name, value) -> float:
-    """A finite positive float (a NaN or Inf would also make config.json invalid JSON)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) and not type(value).__name__.startswith("float"):
-        raise ValueError(f"Invalid NeedleConfig: {name} must be a number, got {_shown(value)}")
-    value = float(value)
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"Invalid NeedleConfig: {name} must be a finite positive number, got {value}")
-    return value
+_FIELDS = ConfigFields("NeedleConfig", max_list_length=MAX_LIST_FIELD_LENGTH)
+_integer, _integers, _real, _flag = _FIELDS.integer, _FIELDS.integers, _FIELDS.real, _FIELDS.flag
 
 
 def _holds_non_finite(value) -> bool:
@@ -145,12 +113,6 @@ def _rope_theta(rope_theta, rope_parameters) -> float:
                                  f"{theta} disagree")
             return theta
     return _real("rope_theta", DEFAULT_ROPE_THETA if rope_theta is None else rope_theta)
-
-
-def _flag(name, value) -> bool:
-    if not isinstance(value, bool) and value not in (0, 1):
-        raise ValueError(f"Invalid NeedleConfig: {name} must be true or false, got {_shown(value)}")
-    return bool(value)
 
 
 class NeedleConfig(PretrainedConfig):

@@ -9,9 +9,10 @@ permutations). The output head is the token embedding cut to `out_vocab` rows.
 
 from __future__ import annotations
 
-import math
-
 from transformers import PretrainedConfig
+
+from ..needle.config_fields import ConfigFields
+from ..needle.config_fields import shown as _shown
 
 # Engram sub-table width the reference uses to pick a default number of hash heads.
 ENGRAM_TARGET_SUB_DIM = 128
@@ -112,47 +113,9 @@ NATIVE_ABSENT_MEANS_OFF = {
     "out_vocab": 0,
 }
 
-MAX_FIELD_VALUE = 1 << 24
 MAX_LIST_FIELD_LENGTH = 256
-
-
-def _shown(value) -> str:
-    text = repr(value)
-    return text if len(text) <= 40 else f"{text[:40]}... ({type(value).__name__})"
-
-
-def _integer(name, value, *, minimum, maximum=MAX_FIELD_VALUE) -> int:
-    """`value` as an int in [minimum, maximum]; a bool, a fraction, text, None or a list is an error."""
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int) and not type(value).__name__.startswith(("int", "uint")):
-        raise ValueError(f"Invalid Needle3Config: {name} must be an integer, got {_shown(value)}")
-    value = int(value)
-    if not minimum <= value <= maximum:
-        raise ValueError(f"Invalid Needle3Config: {name} must be in [{minimum}, {maximum}], got {value}")
-    return value
-
-
-def _integers(name, values, *, minimum) -> list[int]:
-    if isinstance(values, (str, bytes)) or not isinstance(values, (list, tuple)) or len(values) > MAX_LIST_FIELD_LENGTH:
-        raise ValueError(f"Invalid Needle3Config: {name} must be a list of at most {MAX_LIST_FIELD_LENGTH} integers, "
-                         f"got {_shown(values)}")
-    return [_integer(f"{name}[{index}]", value, minimum=minimum) for index, value in enumerate(values)]
-
-
-def _real(name, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) and not type(value).__name__.startswith("float"):
-        raise ValueError(f"Invalid Needle3Config: {name} must be a number, got {_shown(value)}")
-    value = float(value)
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"Invalid Needle3Config: {name} must be a finite positive number, got {value}")
-    return value
-
-
-def _flag(name, value) -> bool:
-    if not isinstance(value, bool) and value not in (0, 1):
-        raise ValueError(f"Invalid Needle3Config: {name} must be true or false, got {_shown(value)}")
-    return bool(value)
+_FIELDS = ConfigFields("Needle3Config", max_list_length=MAX_LIST_FIELD_LENGTH)
+_integer, _integers, _real, _flag = _FIELDS.integer, _FIELDS.integers, _FIELDS.real, _FIELDS.flag
 
 
 class Needle3Config(PretrainedConfig):
