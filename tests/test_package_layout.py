@@ -44,27 +44,31 @@ def _modules() -> dict[str, Path]:
 MODULES = _modules()
 
 
-def _imported_modules(name: str, path: Path) -> set[str]:
-    """The modules of the distribution that `name` imports (anywhere in the file), as dotted names."""
+def _import_targets(name: str, path: Path) -> set[str]:
+    """Every dotted name `name` imports (anywhere in the file), relative imports resolved."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    found = set()
+    targets = set()
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.Import):
-            targets = [alias.name for alias in node.names]
+            targets.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
                 anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join(anchor + ([base] if base else []))
-            targets = [f"{base}.{alias.name}" for alias in node.names] + [base]
-        else:
-            continue
-        for target in targets:
-            if target.startswith("needle_hf"):
-                while target and target not in MODULES:
-                    target = target.rpartition(".")[0]
-                if target and target != "needle_hf":
-                    found.add(target)
+            targets.update([f"{base}.{alias.name}" for alias in node.names] + [base])
+    return targets
+
+
+def _imported_modules(name: str, path: Path) -> set[str]:
+    """The modules of the distribution that `name` imports (anywhere in the file), as dotted names."""
+    found = set()
+    for target in _import_targets(name, path):
+        if target.startswith("needle_hf"):
+            while target and target not in MODULES:
+                target = target.rpartition(".")[0]
+            if target and target != "needle_hf":
+                found.add(target)
     return found - {name}
 
 
@@ -86,6 +90,17 @@ def test_the_graph_sees_the_package():
 def test_every_module_lives_in_a_known_room():
     rooms = {_room(name) for name in MODULES} - {""}
     assert rooms <= set(RANKS), f"modules outside the rooms of the layout: {sorted(rooms - set(RANKS))}"
+
+
+def test_the_package_imports_no_old_module_name():
+    """The alias table serves users' old imports; the package's own modules use the new names."""
+    old_names = tuple(needle_hf.MOVED_MODULES)
+    for name, path in MODULES.items():
+        if name == "needle_hf":
+            continue
+        old = sorted(t for t in _import_targets(name, path) if t.startswith(old_names) and
+                     any(t == o or t.startswith(f"{o}.") for o in old_names))
+        assert not old, f"{name} imports {old} by their old names (see needle_hf.MOVED_MODULES)"
 
 
 def test_models_import_nothing_outside_models():

@@ -54,7 +54,7 @@ def _grammar_for(tokenizer, vocab_size: int, *, enabled: bool):
     if not enabled:
         return None
     try:
-        from ..grammar import ToolCallGrammar
+        from ..generation.grammar import ToolCallGrammar
 
         return ToolCallGrammar(tokenizer, vocab_size=vocab_size)
     except ImportError:  # the [grammar] extra is not installed: decode unconstrained
@@ -104,7 +104,7 @@ class _Backend:
     def _processor(self, tools):
         if self.grammar is None or tools is None:
             return None
-        from ..grammar import ToolCallLogitsProcessor
+        from ..generation.grammar import ToolCallLogitsProcessor
 
         return ToolCallLogitsProcessor(self.grammar, tools)
 
@@ -191,7 +191,7 @@ class FlaxBackend(_Backend):
     def __init__(self, model, tokenizer, *, grammar: bool):
         import jax
 
-        from ..modeling_flax_needle import with_decoding_kernels
+        from ..models.needle.modeling_flax_needle import with_decoding_kernels
 
         super().__init__(model, tokenizer, grammar=grammar)
         self._params = with_decoding_kernels(model.params, model.config)
@@ -311,7 +311,7 @@ def load_backend(model, *, framework: Optional[str] = None, tokenizer=None, gram
         if framework is not None and framework != own:
             raise ValueError(f"framework={framework!r} given with a {type(model).__name__} (a {own!r} model)")
         framework = own
-    from ..configuration_needle import NeedleConfig
+    from ..models.needle.configuration_needle import NeedleConfig
 
     if not isinstance(model.config, NeedleConfig):
         raise ValueError(f"model: expected a Needle model (a NeedleConfig), got a {type(model.config).__name__}")

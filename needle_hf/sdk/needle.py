@@ -42,7 +42,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from ..tool_calls import ToolCallParseError, parse_assistant_turn
+from ..tools.tool_calls import ToolCallParseError, parse_assistant_turn
 from . import validation
 from .tools_schema import is_pydantic_model, tool_schema_of
 

@@ -20,7 +20,7 @@ from flax.core.frozen_dict import freeze
 from flax.traverse_util import unflatten_dict
 from transformers.modeling_flax_utils import FlaxPreTrainedModel
 
-from ...numerics import (
+from ..needle.numerics import (
     ENGRAM_HASH_PRIME,
     ENGRAM_HASH_SEED,
     ENGRAM_HASH_SHIFT,

@@ -31,7 +31,7 @@ from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import ModelOutput
 
-from ...numerics import (
+from ..needle.numerics import (
     ENGRAM_HASH_PRIME,
     ENGRAM_HASH_SEED,
     ENGRAM_HASH_SHIFT,

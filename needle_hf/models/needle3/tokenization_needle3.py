@@ -9,8 +9,8 @@ appear in message text.
 
 from __future__ import annotations
 
-from ...chat_template import _TEMPLATE, CHAT_MARKERS, FIRST_CHAT_MARKER_ID, MESSAGE_TEXT_ESCAPE
-from ...tokenization_needle import (
+from ..needle.chat_template import _TEMPLATE, CHAT_MARKERS, FIRST_CHAT_MARKER_ID, MESSAGE_TEXT_ESCAPE
+from ..needle.tokenization_needle import (
     PieceType,
     TokenizerSourceError,
     _as_piece_table,

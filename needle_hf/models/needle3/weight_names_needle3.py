@@ -41,6 +41,8 @@ from typing import Mapping
 
 import numpy as np
 
+from ..needle.weight_names import _hyper_connection_entries  # the same hyper-connection leaves as Needle 2
+
 HEAD_NAMES = ("embedding", "confidence", "router")
 HEAD_OUTPUTS = {"confidence": 1, "router": 3}
 
@@ -102,21 +104,6 @@ def _block_entries(config) -> list:
         ("mlp.gain_out_proj.weight", "hadamard_mlp/cond_u", (w, r), True),
     ]
     return entries
-
-
-def _hyper_connection_entries(config) -> list:
-    lanes, width = config.hyper_connection_lanes, config.hyper_connection_lanes * config.hidden_size
-    return [
-        ("hyper_connection.pre_proj.weight", "mhc_phi_pre", (lanes, width), True),
-        ("hyper_connection.post_proj.weight", "mhc_phi_post", (lanes, width), True),
-        ("hyper_connection.res_proj.weight", "mhc_phi_res", (lanes * lanes, width), True),
-        ("hyper_connection.pre_bias", "mhc_b_pre", (lanes,), False),
-        ("hyper_connection.post_bias", "mhc_b_post", (lanes,), False),
-        ("hyper_connection.res_bias", "mhc_b_res", (lanes, lanes), False),
-        ("hyper_connection.pre_alpha", "mhc_a_pre", (), False),
-        ("hyper_connection.post_alpha", "mhc_a_post", (), False),
-        ("hyper_connection.res_alpha", "mhc_a_res", (), False),
-    ]
 
 
 def _head_entries(config, name: str) -> list:
