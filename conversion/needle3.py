@@ -233,7 +233,7 @@ def convert_needle3(
                              "tokens": int(tokens.shape[1])},
             "seconds": round(time.perf_counter() - started, 3),
         }
-        (staging / REPORT_NAME).write_text(json.dumps(report, indent=2, default=str) + "\n", encoding="utf-8")
+        (staging / REPORT_NAME).write_text(json.dumps(report, indent=2, default=str, allow_nan=False) + "\n", encoding="utf-8")
         publish_folder(staging, out_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -279,9 +279,9 @@ def export_needle3(hf_dir, out_path, *, dtype: Optional[str] = None, overwrite: 
     del state
     metadata = {
         "format_version": str(CHECKPOINT_FORMAT_VERSION),
-        "config": json.dumps(config.to_needle_config()),
+        "config": json.dumps(config.to_needle_config(), allow_nan=False),
         "step": "",
-        "run": json.dumps({"exported_by": "needle-hf", "source": str(hf_dir.absolute())}),
+        "run": json.dumps({"exported_by": "needle-hf", "source": str(hf_dir.absolute())}, allow_nan=False),
     }
     staging = staging_path(out_path)
     progress(f"writing {out_path}")

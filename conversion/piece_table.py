@@ -48,8 +48,11 @@ def piece_table_from_tokenizer_json(path) -> PieceTable:
         if not 0 <= index < len(vocab) or pieces[index] is not None:
             raise PieceTableError(f"{path}: vocabulary ids are not 0..{len(vocab) - 1}, each once (id {index})")
         pieces[index] = piece
-    special = {token["id"] for token in added if token.get("special")}
-    user_defined = {token["id"] for token in added if not token.get("special")}
+    # Needle's tokenizer.json declares the control pieces (pad, eos, bos) matched in raw text
+    # (`normalized: false`) and the chat markers matched after normalisation, some of them flagged
+    # special too (the turn markers, hidden by skip_special_tokens): normalisation tells them apart.
+    special = {token["id"] for token in added if token.get("special") and not token.get("normalized")}
+    user_defined = {token["id"] for token in added if token["id"] not in special}
     unk = vocab.get(model.get("unk_token"))
     byte_fallback = bool(model.get("byte_fallback"))
     types = []

@@ -95,4 +95,4 @@ def test_python_blocks_run_and_call_the_tool(document, readme_folder, monkeypatc
 def test_every_python_block_of_the_docs_runs_somewhere():
     ran = sum(len(python_blocks(d.read_text(encoding="utf-8"))) for d in DOCUMENTS)
     server_only = sum(b.startswith(NEEDS_SERVER) for d in DOCUMENTS for b in python_blocks(d.read_text(encoding="utf-8")))
-    assert ran - server_only >= 20  # every python block of README and docs (the vLLM block runs in its suite)
+    assert ran - server_only >= 19  # the blocks of README and docs today (the vLLM block runs in its suite)

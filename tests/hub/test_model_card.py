@@ -35,6 +35,7 @@ from needle_reference import BASE_NATIVE_CONFIG, _param_shapes, make_native_para
 import needle_hf
 from needle_hf.models.needle.configuration_needle import NeedleConfig
 from needle_hf.hub import push_folder
+from needle_hf.tools.tool_calls import ToolCallParseError, parse_tool_calls
 from needle_hf.hub.model_card import (
     LICENSE,
     NEEDLE2_REPO_ID,
@@ -311,4 +312,13 @@ def test_card_snippets_run_and_print_the_package_models_reply(snippet_runs, pack
 
     assert run["Tools and messages"] == ""
     for heading in headings[1:]:
-        assert run[heading] == package_reply + "\n", heading
+        if heading == "Pipeline with tools (transformers 5.x)":
+            # 5.x's pipeline returns the answer parsed by the folder's response_template: the snippet
+            # prints its calls, which are the calls of the package model's reply.
+            try:
+                expected = parse_tool_calls(package_reply)
+            except ToolCallParseError:  # a plain answer: no calls
+                expected = []
+            assert json.loads(run[heading]) == expected, heading
+        else:
+            assert run[heading] == package_reply + "\n", heading

@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
 
 import needle_hf  # noqa: F401  (registers Needle with the Auto classes)
 from needle_hf.tools.tool_calls import parse_tool_calls
+from needle_hf.models.needle.tokenization_needle import save_fast_tokenizer
 from needle_hf.models.needle.weight_names import native_to_hf, optional_heads_in_native
 
 from demo_support import (  # noqa: F401  (demo_folder: fixture)

@@ -211,13 +211,13 @@ def test_prompt_lookup_writes_the_greedy_tokens_up_to_the_length_limit():
 
 
 @pytest.mark.parametrize("options, problem", [
-    ({"use_mtp": "yes"}, r"use_mtp: expected True, False or None, found 'yes'"),
-    ({"use_mtp": 1}, r"use_mtp: expected True, False or None, found 1"),
-    ({"use_mtp": True, "prompt_lookup_num_tokens": 3}, r"does not take prompt_lookup_num_tokens=3"),
+    ({"use_mtp_head": "yes"}, r"use_mtp_head: expected True, False or None, found 'yes'"),
+    ({"use_mtp_head": 1}, r"use_mtp_head: expected True, False or None, found 1"),
+    ({"use_mtp_head": True, "prompt_lookup_num_tokens": 3}, r"does not take prompt_lookup_num_tokens=3"),
     ({"attention_window": -1}, r"attention_window: expected an int >= 0 \(0: full attention\), found -1"),
     ({"attention_window": 1.5}, r"attention_window: expected an int >= 0"),
     ({"attention_window": True}, r"attention_window: expected an int >= 0"),
-    ({"attention_window": "16", "use_mtp": True}, r"attention_window: expected an int >= 0"),
+    ({"attention_window": "16", "use_mtp_head": True}, r"attention_window: expected an int >= 0"),
 ])
 def test_generate_refuses_bad_mtp_and_window_options_naming_them(options, problem):
     model = _model(seed=1, copying_mtp=False)
@@ -237,4 +237,4 @@ def test_generate_refuses_bad_mtp_and_window_options_naming_them(options, proble
 def test_generate_refuses_prompts_that_are_not_token_ids(prompt, problem, use_mtp):
     model = _model(seed=1, copying_mtp=False)
     with pytest.raises(ValueError, match=problem):
-        model.generate(prompt, max_new_tokens=2, do_sample=False, use_mtp=use_mtp)
+        model.generate(prompt, max_new_tokens=2, do_sample=False, use_mtp_head=use_mtp)

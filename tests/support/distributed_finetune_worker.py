@@ -17,7 +17,6 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from finetune_support import FINETUNE_NATIVE_CONFIG  # noqa: E402
@@ -25,6 +24,7 @@ from peft import get_peft_model  # noqa: E402
 from transformers import TrainingArguments  # noqa: E402
 
 from needle_hf.models.needle.configuration_needle import NeedleConfig  # noqa: E402
+from demo_support import DEMO_TOKENIZER  # noqa: E402
 from needle_hf.demo.data import make_demo_examples  # noqa: E402
 from needle_hf.finetune.data import NeedlePaddingCollator, conversations_dataset, tokenize_conversations  # noqa: E402
 from needle_hf.finetune.trainer import NeedleTrainer, needle_lora_config  # noqa: E402
@@ -40,7 +40,7 @@ def main():
     options = parser.parse_args()
 
     torch.set_num_threads(1)
-    tokenizer = build_fast_tokenizer(str(REPO / "scripts" / "demo" / "tokenizer.model"))
+    tokenizer = build_fast_tokenizer(str(DEMO_TOKENIZER))
     torch.manual_seed(0)  # the same initial weights in every process (DDP also broadcasts rank 0's)
     model = get_peft_model(NeedleForCausalLM(NeedleConfig.from_needle_config(FINETUNE_NATIVE_CONFIG)),
                            needle_lora_config(rank=8, alpha=16.0))

@@ -1797,7 +1797,7 @@ class NeedleForCausalLM(NeedlePreTrainedModel, GenerationMixin):
             generation_config or self.generation_config, "prompt_lookup_num_tokens", None
         )
         if use_mtp and lookup:
-            raise ValueError(f"use_mtp=True drafts with the MTP head; it does not take prompt_lookup_num_tokens={lookup}")
+            raise ValueError(f"use_mtp_head=True drafts with the MTP head; it does not take prompt_lookup_num_tokens={lookup}")
         if kwargs.get("attention_window") is not None:
             kwargs["attention_window"] = _attention_window_option(kwargs["attention_window"])
         prompt = inputs if inputs is not None else kwargs.get("input_ids")
