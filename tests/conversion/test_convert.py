@@ -124,8 +124,8 @@ def test_folder_holds_config_generation_config_and_the_native_tensors(converted,
     from transformers import AutoConfig, GenerationConfig
 
     assert sorted(p.name for p in converted.iterdir()) == [
-        "cache_flax_needle.py", "cache_needle.py", "chat_template.jinja", "compiled_decoding_needle.py", "config_fields.py",
-        "config.json", "configuration_needle.py", "conversion_report.json",
+        "cache_flax_needle.py", "cache_needle.py", "chat_template.jinja", "compiled_decoding_needle.py", "config.json",
+        "config_fields.py", "configuration_needle.py", "conversion_report.json",
         "deploy_numerics.py", "deploy_numerics_flax.py", "generation_config.json", "model.safetensors",
         "modeling_flax_needle.py", "modeling_needle.py", "mtp_option.py", "numerics.py", "remote_code.py",
         "special_tokens_map.json", "speculative.py", "speculative_flax.py", "tokenizer.json",
