@@ -2,8 +2,8 @@
 wheel carries every package folder and data file.
 
 Rooms, lowest first: `models/` (what a saved folder ships as remote code) <- `generation/`,
-`tools/`, `finetune/`, `hub/`, `conversion/` <- `cli`, `serving/`, `demo/`. A module imports only
-from its own rank or below, `models/` only from `models/`, and no two modules import each other,
+`tools/`, `finetune/`, `hub/`, `conversion/` <- `serving/`, `demo/`, `sdk/` <- `evaluation/` <- `cli`.
+A module imports only from its own rank or below, `models/` only from `models/`, and no two modules import each other,
 directly or around a loop (imports inside functions count: they run too).
 """
 
@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 SOURCE_DIRS = {"needle_hf": REPO / "needle_hf", "needle_hf.conversion": REPO / "conversion",
                "needle_hf.model_cards": REPO / "model_cards"}
 RANKS = {"models": 0, "generation": 1, "tools": 1, "finetune": 1, "hub": 1, "conversion": 1, "model_cards": 1,
-         "cli": 2, "serving": 2, "demo": 2, "sdk": 2}
+         "cli": 4, "serving": 2, "demo": 2, "sdk": 2, "evaluation": 3}
 
 
 def _modules() -> dict[str, Path]:
