@@ -116,3 +116,13 @@ def test_two_files_of_one_name_stay_apart(tmp_path):
         warnings.simplefilter("error")
         first, second = load_suite(tmp_path / "a" / "home.py"), load_suite(tmp_path / "b" / "home.py")
     assert first.cases[0]["query"] == "first" and second.cases[0]["query"] == "second"
+
+
+def test_a_suite_built_by_hand_is_checked_like_a_module():
+    tool = {"name": "ping", "description": "Ping.", "parameters": {"type": "object", "properties": {}}}
+    suite = Suite(name="pings", tools=(tool,), system="", cases=[{"query": "ping", "calls": [], "category": "c"}])
+    assert suite.cases == [{"query": "ping", "calls": [], "category": "c", "critical": False}] and suite.tools == [tool]
+    with pytest.raises(SuiteError, match=r"pings.cases\[0\].calls: expected a list of calls"):
+        Suite(name="pings", tools=[tool], system="", cases=[{"query": "ping", "calls": None, "category": "c"}])
+    with pytest.raises(SuiteError, match="pings.tools: expected a non-empty list"):
+        Suite(name="pings", tools=[], system="", cases=[{"query": "ping", "calls": [], "category": "c"}])
