@@ -17,6 +17,8 @@ import pytest
 from needle_hf.evaluation import Suite, SuiteError, find_suites, load_suite
 from needle_hf.evaluation.suites import NO_REFERENCE_SUITES, REFERENCE_TELEMETRY_OPT_OUTS
 
+pytestmark = pytest.mark.v5  # also runs under transformers 5.x (.venv-v5)
+
 HERE = Path(__file__).resolve().parent
 REFERENCE_SUITES = ["data_capture", "kitchen_appliance", "media_player", "productivity", "smart_home", "wearable"]
 CATEGORIES = {"positive", "parallel", "missing", "irrelevant", "negation", "invalid"}

@@ -28,7 +28,7 @@ import needle_hf
 from needle_hf.evaluation import find_suites, load_suite, run_suite
 from demo_support import demo_folder  # noqa: F401  (the demo model as a Hugging Face folder)
 
-pytestmark = pytest.mark.usefixtures("one_cpu_thread")
+pytestmark = [pytest.mark.v5, pytest.mark.usefixtures("one_cpu_thread")]
 
 REFERENCE_SUITES = ("data_capture", "kitchen_appliance", "media_player", "productivity", "smart_home", "wearable")
 
