@@ -128,7 +128,8 @@ def _check_case(case: Any, where: str) -> dict:
     if not isinstance(case["category"], str):
         raise SuiteError(f"{where}.category: expected a str, found {type(case['category']).__name__}")
     if not isinstance(case["calls"], list):
-        raise SuiteError(f"{where}.calls: expected a list of calls ([] for no call), found {type(case['calls']).__name__}")
+        raise SuiteError(f"{where}.calls: expected a list of calls ([] for no call), "
+                         f"found {type(case['calls']).__name__}")
     calls = [_check_call(call, f"{where}.calls[{index}]") for index, call in enumerate(case["calls"])]
     critical = case.get("critical", False)
     if not isinstance(critical, bool):
