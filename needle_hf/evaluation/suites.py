@@ -203,7 +203,10 @@ def load_suite(target: str | os.PathLike | ModuleType) -> Suite:
         module = importlib.import_module(text)
     except ModuleNotFoundError as error:
         if error.name and text.startswith(error.name):
-            raise SuiteError(f"{text}: no module of that name (give a dotted module name or a .py file path)") from None
+            beside = Path(*text.split(".")).with_suffix(".py")
+            hint = f"; the file {beside} is here: pass its path" if beside.is_file() else ""
+            raise SuiteError(f"{text}: no module of that name on the import path (give a dotted module name or a .py "
+                             f"file path){hint}") from None
         raise SuiteError(f"{text}: importing the suite module failed: {error}") from error
     except Exception as error:
         raise SuiteError(f"{text}: importing the suite module failed: {type(error).__name__}: {error}") from error
