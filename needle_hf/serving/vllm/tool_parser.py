@@ -101,6 +101,10 @@ class NeedleToolParser(ToolParser):
         if grammar is not None:
             request.structured_outputs = StructuredOutputsParams(grammar=grammar)
             request.response_format = None
+            # With a reasoning parser, vLLM would start the grammar only after the reasoning phase, which
+            # for Needle ends on the answer's first token (already written unconstrained). The grammar
+            # covers the whole answer (no <think> block), so it constrains from the first token.
+            request._grammar_from_parser = True
         return request
 
     def extract_tool_calls(self, model_output: str, request) -> ExtractedToolCallInformation:
