@@ -94,16 +94,20 @@ class NeedleToolParser(ToolParser):
         self._stream = ToolCallStream()
 
     def adjust_request(self, request):
-        """For ``tool_choice="required"`` or a named tool: constrain the answer to Needle's tool-call turn."""
+        """For ``tool_choice="required"`` or a named tool: constrain the answer to Needle's tool-call turn.
+
+        Chat Completions requests only; vLLM's Responses API is left as it comes (its required or named
+        choice is then read by this parser without a grammar).
+        """
         if not isinstance(request, ChatCompletionRequest):
             return request
         grammar = forced_tool_call_grammar(self.model_tokenizer, request)
         if grammar is not None:
             request.structured_outputs = StructuredOutputsParams(grammar=grammar)
             request.response_format = None
-            # With a reasoning parser, vLLM would start the grammar only after the reasoning phase, which
-            # for Needle ends on the answer's first token (already written unconstrained). The grammar
-            # covers the whole answer (no <think> block), so it constrains from the first token.
+            # With a reasoning parser, vLLM starts a grammar after the reasoning phase, which Needle's parser
+            # ends on the answer's first token, left unconstrained. The grammar covers the whole answer (no
+            # <think> block): vLLM 0.32's mark of a parser-made grammar has it constrain from the first token.
             request._grammar_from_parser = True
         return request
 

@@ -190,6 +190,7 @@ def test_required_and_named_tool_choice_set_needles_grammar_not_vllms_json(demo)
     required = parser.adjust_request(ChatCompletionRequest(**base, tool_choice="required"))
     assert required.structured_outputs.grammar == ToolCallGrammar(tokenizer).lark(tools, allow_empty=False)
     assert required.structured_outputs.json is None
+    assert required._grammar_from_parser  # constrained from the first token, reasoning parser or not
     named = parser.adjust_request(ChatCompletionRequest(**base, tool_choice={"type": "function", "function": {"name": "send_message"}}))
     assert named.structured_outputs.grammar == ToolCallGrammar(tokenizer).lark(tools[1:], allow_empty=False, max_calls=1)
     single = parser.adjust_request(ChatCompletionRequest(**base, tool_choice="required", parallel_tool_calls=False))
