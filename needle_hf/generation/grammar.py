@@ -340,6 +340,34 @@ class _PieceEncoder:
         return [piece.id for piece in pieces]
 
 
+def marker_ids(tokenizer) -> dict[str, int]:
+    """The ids of ``<tool_call>``, ``</tool_call>`` and ``<|im_end|>`` in ``tokenizer`` (each one token)."""
+    markers = {}
+    for marker in (TOOL_CALL_START, TOOL_CALL_END, IM_END):
+        index = tokenizer.convert_tokens_to_ids(marker)
+        if index is None or index == tokenizer.unk_token_id:
+            raise ToolGrammarError(f"tokenizer: the chat marker {marker!r} is not a single token")
+        markers[marker] = index
+    return markers
+
+
+def tool_calls_lark(markers: dict[str, int], tools: Sequence[dict], *, allow_empty: bool = True,
+                    max_calls: Optional[int] = None) -> str:
+    """The answer's grammar in llguidance's Lark dialect: markers by token id (`marker_ids`), payload by
+    JSON schema (`tool_calls_json_schema` with its options).
+
+    The answer may open with the space piece: the chat template puts one between the prompt and the
+    answer, and a model trained on it writes it first. Any llguidance-backed engine that knows the
+    tokenizer compiles it (vLLM's ``guidance`` structured-output backend among them).
+    """
+    payload = tool_calls_json_schema(tools, allow_empty=allow_empty, max_calls=max_calls)
+    payload["x-guidance"] = _COMPACT_JSON
+    return (
+        f'start: " "? <[{markers[TOOL_CALL_START]}]> calls <[{markers[TOOL_CALL_END]}]> <[{markers[IM_END]}]>\n'
+        f"calls: %json {json.dumps(payload, ensure_ascii=False)}\n"
+    )
+
+
 class ToolCallGrammar:
     """Builds tool-call grammars for one Needle tokenizer (the token vocabulary is read once).
 
@@ -350,13 +378,7 @@ class ToolCallGrammar:
 
     def __init__(self, tokenizer, *, vocab_size: Optional[int] = None):
         llguidance = _require_llguidance()
-        markers = {}
-        for marker in (TOOL_CALL_START, TOOL_CALL_END, IM_END):
-            index = tokenizer.convert_tokens_to_ids(marker)
-            if index is None or index == tokenizer.unk_token_id:
-                raise ToolGrammarError(f"tokenizer: the chat marker {marker!r} is not a single token")
-            markers[marker] = index
-        self.marker_ids = markers
+        self.marker_ids = marker_ids(tokenizer)
         self.vocab_size = max(len(tokenizer), vocab_size or 0)
         self.eos_token_id = tokenizer.eos_token_id
         self._space = tokenizer.convert_tokens_to_ids(SPACE_SYMBOL)
@@ -370,13 +392,7 @@ class ToolCallGrammar:
         The answer may open with the space piece: the chat template puts one between the prompt and
         the answer, and a model trained on it writes it first.
         """
-        payload = tool_calls_json_schema(tools, allow_empty=allow_empty, max_calls=max_calls)
-        payload["x-guidance"] = _COMPACT_JSON
-        ids = self.marker_ids
-        return (
-            f'start: " "? <[{ids[TOOL_CALL_START]}]> calls <[{ids[TOOL_CALL_END]}]> <[{ids[IM_END]}]>\n'
-            f"calls: %json {json.dumps(payload, ensure_ascii=False)}\n"
-        )
+        return tool_calls_lark(self.marker_ids, tools, allow_empty=allow_empty, max_calls=max_calls)
 
     def matcher(self, tools: Sequence[dict], **options):
         """A fresh llguidance matcher of the request's grammar (`lark` options).

@@ -42,6 +42,8 @@ from torch import nn
 from vllm.config import VllmConfig
 from vllm.forward_context import get_forward_context, is_forward_context_available
 from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.layers.linear import ReplicatedLinear
+from vllm.model_executor.models.interfaces import SupportsLoRA
 from vllm.model_executor.models.utils import maybe_prefix
 from vllm.sequence import IntermediateTensors
 
@@ -68,12 +70,23 @@ from ...models.needle.numerics import TIED_WEIGHTS
 UNSERVED_PREFIXES = ("mtp.", "contrastive_head.", "confidence_head.")
 
 
+# The attention projections (the twin's names and shapes, [out, in] weights): vLLM's own linear layers,
+# which its LoRA manager wraps with adapters (`--enable-lora`); the fine-tuning adapter targets them.
+ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "gate_proj", "o_proj")
+
+
 class NeedlePagedAttention(NeedleAttention):
     """`NeedleAttention` whose scores and values go through vLLM's paged attention (the KV cache
-    lives there); projections, q/k norms, RoPE and the output gate are the twin's."""
+    lives there), with its projections as vLLM `ReplicatedLinear` layers (LoRA-capable); q/k norms,
+    RoPE and the output gate are the twin's."""
 
     def __init__(self, config: NeedleConfig, layer_idx: int, *, vllm_config: VllmConfig, prefix: str):
         super().__init__(config, layer_idx)
+        for name in ATTENTION_PROJECTIONS:
+            twin = getattr(self, name)
+            setattr(self, name, ReplicatedLinear(twin.in_features, twin.out_features, bias=False,
+                                                 quant_config=vllm_config.quant_config, prefix=f"{prefix}.{name}",
+                                                 return_bias=False))
         self.attn = Attention(
             self.num_heads,
             self.head_dim,
@@ -92,7 +105,8 @@ class NeedlePagedAttention(NeedleAttention):
                 f"and no attention options (got cache={type(cache).__name__}, options={sorted(attention_kwargs)})"
             )
         _, length, _ = x.shape
-        x = quantize_activations(x, self.config)  # deploy numerics hook, as in the twin
+        # vLLM's linear layers (and their LoRA adapters) take the flat batch as rows: [N, d]
+        x = quantize_activations(x, self.config)[0]  # deploy numerics hook, as in the twin
         q = self.q_proj(x).view(1, length, self.num_heads, self.head_dim).transpose(1, 2)  # [1, H, N, hd]
         k = self.k_proj(x).view(1, length, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [1, KV, N, hd]
         v = self.v_proj(x).view(1, length, self.num_kv_heads, self.head_dim)  # [1, N, KV, hd]
@@ -101,9 +115,9 @@ class NeedlePagedAttention(NeedleAttention):
         k, v = quantize_kv(k, v, self.config)  # deploy numerics hook, as in the twin
         out = self.attn(q[0].transpose(0, 1).reshape(length, -1), k[0].transpose(0, 1).reshape(length, -1),
                         v.reshape(length, -1))
-        out = out.view(1, length, -1) * torch.sigmoid(self.gate_proj(x))  # [1, N, attention_dim]
+        out = out.view(length, -1) * torch.sigmoid(self.gate_proj(x))  # [N, attention_dim]
         out = quantize_activations(out, self.config)  # deploy numerics hook, as in the twin
-        return self.o_proj(out), None
+        return self.o_proj(out).unsqueeze(0), None
 
 
 class NeedleSlotTokenStore(nn.Module):
@@ -379,8 +393,15 @@ def check_servable(config: NeedleConfig) -> None:
         )
 
 
-class NeedleForCausalLM(nn.Module):
-    """vLLM's Needle 2 text generator (architecture name ``NeedleForCausalLM``, as in config.json)."""
+class NeedleForCausalLM(nn.Module, SupportsLoRA):
+    """vLLM's Needle 2 text generator (architecture name ``NeedleForCausalLM``, as in config.json).
+
+    LoRA (``--enable-lora``): adapters on the attention projections (`ATTENTION_PROJECTIONS`, one
+    weight each in the checkpoint, so nothing is packed), as `needle_hf.finetune` trains them.
+    """
+
+    packed_modules_mapping: dict[str, list[str]] = {}
+    embedding_modules: dict[str, str] = {}
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()

