@@ -117,5 +117,9 @@ class PlaygroundSession:
         except (TypeError, ValueError) as error:
             return PlaygroundAnswer(error=str(error))
         with self._lock:
-            agent = Needle(self.backend(folder), tools=schemas, system=system or None)
+            try:
+                backend = self.backend(folder)
+            except (OSError, ValueError) as error:  # a missing folder, an unreachable Hub id, not a Needle model
+                return PlaygroundAnswer(error=f"{folder}: the model could not be loaded: {error}")
+            agent = Needle(backend, tools=schemas, system=system or None)
             return PlaygroundAnswer.from_envelope(agent.complete(query, max_new_tokens))
