@@ -11,6 +11,11 @@ from __future__ import annotations
 import json
 import runpy
 import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
 
 import pytest
 import transformers
@@ -156,3 +161,25 @@ def test_cli_writes_a_space_and_names_usage_errors(tmp_path, capsys):
     assert main(["playground", "org/needle", "--write-space", str(tmp_path / "space")]) == 1
     assert "exists and is not an empty folder" in capsys.readouterr().err
     assert not (tmp_path / "two").exists()
+
+
+def test_cli_serves_the_page_on_localhost(demo_folder):
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "needle_hf.cli", "playground", str(demo_folder), "--port", str(port)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline, page = time.monotonic() + 120, None
+        while page is None and time.monotonic() < deadline and server.poll() is None:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=5) as response:
+                    page = response.read().decode()
+            except OSError:
+                time.sleep(0.5)
+        assert page is not None, server.stderr.read() if server.poll() is not None else "no answer in 120 s"
+        assert "Needle playground" in page
+    finally:
+        server.terminate()
+        _, stderr = server.communicate(timeout=30)
+    assert f"serving {demo_folder} on http://127.0.0.1:{port}" in stderr
