@@ -8,7 +8,7 @@ same page. `needle-hf playground FOLDER [FOLDER ...]` serves it on 127.0.0.1.
 from .app import answer_outputs, build_app, launch, run_callback
 from .presets import Preset, default_presets, demo_preset, suite_presets
 from .session import PlaygroundAnswer, PlaygroundSession, parse_tools
-from .space import write_space
+from .space import SpaceError, write_space
 
-__all__ = ["PlaygroundAnswer", "PlaygroundSession", "Preset", "answer_outputs", "build_app", "default_presets",
+__all__ = ["PlaygroundAnswer", "PlaygroundSession", "Preset", "SpaceError", "answer_outputs", "build_app", "default_presets",
            "demo_preset", "launch", "parse_tools", "run_callback", "suite_presets", "write_space"]

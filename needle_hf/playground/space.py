@@ -4,15 +4,14 @@
 
 `app.py` builds the same page as `needle-hf playground` (`build_app([MODEL])`) and serves it where a
 Space expects it (0.0.0.0:7860); MODEL is the Hub id (or folder) given. The README carries the
-Space's front matter (Gradio SDK and its version). The folder is written beside its target and moved
-into place complete, so a failed write leaves nothing half-written.
+Space's front matter (Gradio SDK and its version). The folder is staged beside its target and moved
+into place complete (`needle_hf.conversion.atomic_output`), never over, inside or around a local model folder.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Optional
 
@@ -53,6 +52,10 @@ def space_readme(model: str) -> str:
     )
 
 
+class SpaceError(ValueError):
+    """The Space folder cannot be written where asked; nothing was written or removed."""
+
+
 def write_space(out_dir: str | os.PathLike, model: str | os.PathLike, *, framework: Optional[str] = None,
                 requirement: Optional[str] = None, overwrite: bool = False) -> Path:
     """Write a Space folder serving ``model``; returns its path.
@@ -61,28 +64,32 @@ def write_space(out_dir: str | os.PathLike, model: str | os.PathLike, *, framewo
         model: the Hub id (or folder) the Space loads.
         framework: "pt" (default) or "flax".
         requirement: the pip line that installs needle-hf there (default: `default_requirement`).
-        overwrite: replace an existing non-empty ``out_dir``.
+        overwrite: replace an existing non-empty ``out_dir`` (never a local model folder, nor one
+            inside or around it).
     """
+    from ..conversion.atomic_output import (
+        check_output_folder, errors_name, fsync_tree, publish_folder, staging_path)
+
     if framework not in (None, "pt", "flax"):
-        raise ValueError(f"framework: expected 'pt' or 'flax', got {framework!r}")
+        raise SpaceError(f"framework: expected 'pt' or 'flax', got {framework!r}")
     model = os.fspath(model)
     if not model:
-        raise ValueError("model: name the Hub id or folder the Space serves")
+        raise SpaceError("model: name the Hub id or folder the Space serves")
     out_dir = Path(out_dir)
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())) and not overwrite:
-        raise FileExistsError(f"{out_dir}: exists and is not an empty folder (pass overwrite=True / --overwrite)")
+    local_model = model if os.path.lexists(model) else None
+    check_output_folder(out_dir, {"model folder": local_model}, command="playground --write-space",
+                        overwrite=overwrite, error=SpaceError)
     requirements = [requirement or default_requirement(), f"gradio=={GRADIO_VERSION}"]
     contents = {"app.py": space_app_source(model, framework=framework),
                 "requirements.txt": "\n".join(requirements) + "\n", "README.md": space_readme(model)}
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
+    staging = staging_path(out_dir)
     try:
-        for name, text in contents.items():
-            (staging / name).write_text(text, encoding="utf-8")
-        if out_dir.exists():
-            shutil.rmtree(out_dir) if out_dir.is_dir() else out_dir.unlink()
-        os.replace(staging, out_dir)
-    except BaseException:
+        with errors_name(out_dir, staging):
+            staging.mkdir()
+            for name, text in contents.items():
+                (staging / name).write_text(text, encoding="utf-8")
+            fsync_tree(staging)
+            publish_folder(staging, out_dir)
+    finally:
         shutil.rmtree(staging, ignore_errors=True)
-        raise
     return out_dir

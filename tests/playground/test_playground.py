@@ -30,6 +30,7 @@ from needle_hf.playground import (  # noqa: E402
     PlaygroundSession, Preset, build_app, default_presets, demo_preset, parse_tools, run_callback, suite_presets,
     write_space)
 from needle_hf.playground.app import ELEMENT_IDS  # noqa: E402
+from needle_hf.playground.space import SpaceError  # noqa: E402
 
 HAS_FLAX = hasattr(transformers, "FlaxAutoModelForCausalLM")
 TWINS = ["pt", pytest.param("flax", marks=pytest.mark.skipif(not HAS_FLAX, reason="transformers 5 has no Flax"))]
@@ -145,12 +146,23 @@ def test_write_space_refuses_a_non_empty_folder_and_keeps_it(tmp_path):
     target = tmp_path / "space"
     target.mkdir()
     (target / "notes.txt").write_text("mine")
-    with pytest.raises(FileExistsError, match="overwrite"):
+    with pytest.raises(SpaceError, match="exists and is not empty; pass --overwrite"):
         write_space(target, "org/needle")
     assert [path.name for path in target.iterdir()] == ["notes.txt"]
     write_space(target, "org/needle", overwrite=True)
     assert "MODEL = 'org/needle'" in (target / "app.py").read_text()
     assert sorted(path.name for path in tmp_path.iterdir()) == ["space"]  # no staging folder left behind
+
+
+@pytest.mark.parametrize("relation", ["is", "inside", "around"])
+def test_write_space_never_writes_over_a_local_model_folder(demo_folder, tmp_path, relation):
+    model = tmp_path / "models" / "needle"
+    shutil.copytree(demo_folder, model)
+    before = sorted((path.relative_to(tmp_path), path.stat().st_size) for path in tmp_path.rglob("*"))
+    out = {"is": model, "inside": model / "space", "around": tmp_path / "models"}[relation]
+    with pytest.raises(ValueError, match="never writes over its input"):
+        write_space(out, model, overwrite=True)
+    assert sorted((path.relative_to(tmp_path), path.stat().st_size) for path in tmp_path.rglob("*")) == before
 
 
 def test_cli_writes_a_space_and_names_usage_errors(tmp_path, capsys):
@@ -159,7 +171,7 @@ def test_cli_writes_a_space_and_names_usage_errors(tmp_path, capsys):
     assert main(["playground", "org/a", "org/b", "--write-space", str(tmp_path / "two")]) == 1
     assert "needle-hf playground: error: --write-space: a Space serves one model, got 2" in capsys.readouterr().err
     assert main(["playground", "org/needle", "--write-space", str(tmp_path / "space")]) == 1
-    assert "exists and is not an empty folder" in capsys.readouterr().err
+    assert "exists and is not empty; pass --overwrite" in capsys.readouterr().err
     assert not (tmp_path / "two").exists()
 
 
