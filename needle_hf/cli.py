@@ -7,6 +7,8 @@
                                     [--tokenizer tokenizer.model|blob.cact] [--no-tokenizer] [--overwrite]
     needle-hf lora import needle_lora.pkl OUT_DIR --base HF_DIR [--overwrite]
     needle-hf lora export PEFT_DIR OUT.pkl [--base HF_DIR] [--overwrite]
+    needle-hf eval suites FOLDER [--suite NAME ...] [--module PATH_OR_DOTTED ...] [--min-confidence X]
+                                 [--report OUT.md|OUT.json] (see needle_hf.evaluation.command)
     needle-hf playground FOLDER [FOLDER ...] [--host 127.0.0.1] [--port 7860] [--framework pt|flax]
                                              [--write-space OUT_DIR [--overwrite]]
 
@@ -30,6 +32,7 @@ from needle_hf.conversion.convert import convert
 from needle_hf.conversion.export import OUTPUT_DTYPES, export_native
 from needle_hf.conversion.verification import VERIFY_BACKENDS
 from needle_hf import hub
+from needle_hf.evaluation import command as evaluation_command
 
 
 def printable(text: str) -> str:
@@ -206,6 +209,8 @@ COMMANDS = {
               _add_build_arguments, _run_build),
     "lora": ("convert LoRA adapters between the reference's .pkl and PEFT", _add_lora_arguments, _run_lora),
     "push": ("push a Hugging Face Needle folder to the Hub (model card included)", hub.add_push_arguments, hub.run_push),
+    "eval": ("run acceptance suites against a Hugging Face Needle folder", evaluation_command.add_eval_arguments,
+             evaluation_command.run_eval),
     "playground": ("serve a web page to try Needle folders with your tools (Gradio, 127.0.0.1)",
                    _add_playground_arguments, _run_playground),
 }

@@ -47,7 +47,7 @@ setup_main() {
     pip_quiet .venv/bin/python -m pip install --upgrade pip
     pip_quiet .venv/bin/python -m pip install "$TORCH" "transformers==4.57.6" "$REFERENCE" \
         "jax>=0.4.30" "flax>=0.10" "huggingface_hub<1.0" pytest hypothesis psutil sentencepiece "${ONNX[@]}"
-    editable pip_quiet .venv/bin/python -m pip install -e ".[flax,torch,grammar,test,finetune,playground]" "$TORCH" "transformers==4.57.6" \
+    editable pip_quiet .venv/bin/python -m pip install -e ".[flax,torch,grammar,test,finetune,eval,playground]" "$TORCH" "transformers==4.57.6" \
         "huggingface_hub<1.0" "datasets==5.0.1" $FINETUNE "$LLGUIDANCE"
     # xgrammar only for benchmarks/grammar.py; without its deps, which would add triton beside CPU torch.
     pip_quiet .venv/bin/python -m pip install --no-deps "xgrammar==0.2.9"
@@ -63,7 +63,7 @@ setup_v5() {
     pip_quiet .venv-v5/bin/python -m pip install "$TORCH" "transformers>=5,<6" "huggingface_hub>=1.0" \
         safetensors tokenizers sentencepiece protobuf jinja2 numpy ml_dtypes pytest hypothesis psutil "$REFERENCE" \
         "datasets==5.2.0" $FINETUNE \
-        "$LLGUIDANCE" "jsonschema>=4.20" "hypothesis>=6.100" "pydantic>=2"
+        "$LLGUIDANCE" "jsonschema>=4.20" "hypothesis>=6.100" "pydantic>=2" "tqdm>=4" "matplotlib>=3.8"
     rm -f .venv-v5/.needle-setup-*
     touch .venv-v5/.needle-setup-$STAMP
 }

@@ -74,6 +74,22 @@ class Suite:
         """The cases' categories, in order of first appearance."""
         return list(dict.fromkeys(case["category"] for case in self.cases))
 
+    def __post_init__(self):
+        # A Suite built by hand is checked and normalised as a module's is (``critical`` made a bool).
+        where = self.source or self.name
+        if not isinstance(self.name, str) or not self.name:
+            raise SuiteError(f"Suite.name: expected a non-empty str, found {self.name!r}")
+        if not isinstance(self.tools, (list, tuple)) or not self.tools:
+            raise SuiteError(f"{where}.tools: expected a non-empty list of tools, found {self.tools!r}")
+        if not isinstance(self.system, str):
+            raise SuiteError(f"{where}.system: expected a str, found {type(self.system).__name__}")
+        if not isinstance(self.cases, (list, tuple)) or not self.cases:
+            raise SuiteError(f"{where}.cases: expected a non-empty list of cases, found {self.cases!r}")
+        _check_schemas(self.tools, f"{where}.tools")
+        object.__setattr__(self, "tools", list(self.tools))
+        object.__setattr__(self, "cases", [_check_case(case, f"{where}.cases[{index}]")
+                                           for index, case in enumerate(self.cases)])
+
     def __len__(self) -> int:
         return len(self.cases)
 
@@ -81,6 +97,16 @@ class Suite:
 def quiet_reference() -> None:
     """Set the reference's telemetry opt-outs in the process environment (before `needle` is imported)."""
     os.environ.update(REFERENCE_TELEMETRY_OPT_OUTS)
+
+
+def _check_schemas(tools, where: str) -> None:
+    """Every tool has a schema before any case runs."""
+    from ..sdk.needle import resolve_tools
+
+    try:
+        resolve_tools(list(tools))
+    except (TypeError, ValueError) as error:
+        raise SuiteError(f"{where}: {error}") from None
 
 
 def _check_call(call: Any, where: str) -> dict:
@@ -128,13 +154,9 @@ def suite_from_module(module: ModuleType, *, name: str | None = None, source: st
     if not isinstance(cases, (list, tuple)) or not cases:
         raise SuiteError(f"{where}.TEST_CASES: expected a non-empty list of cases, found {cases!r}")
     checked = [_check_case(case, f"{where}.TEST_CASES[{index}]") for index, case in enumerate(cases)]
-    suite = Suite(name=name or module.__name__.rpartition(".")[2], tools=list(tools), system=system, cases=checked,
-                  source=where)
-    try:
-        suite.schemas  # noqa: B018  (every tool must have a schema before any case runs)
-    except (TypeError, ValueError) as error:
-        raise SuiteError(f"{where}.TOOLS: {error}") from None
-    return suite
+    _check_schemas(tools, f"{where}.TOOLS")
+    return Suite(name=name or module.__name__.rpartition(".")[2], tools=list(tools), system=system, cases=checked,
+                 source=where)
 
 
 def _import_file(path: Path) -> ModuleType:
