@@ -12,6 +12,7 @@ the network (system fonts, no analytics, no share link), so it works offline and
 from __future__ import annotations
 
 import os
+import re
 from typing import Callable, Mapping, Optional, Sequence
 
 from .presets import Preset, default_presets
@@ -20,6 +21,7 @@ from .session import PlaygroundAnswer, PlaygroundSession
 TITLE = "Needle playground"
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 7860
+HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
 # elem_ids of the boxes a test or a page script reads and fills
 ELEMENT_IDS = ("model", "preset", "tools", "query", "system", "run", "calls", "reasoning", "confidence", "validation",
                "speed", "status")
@@ -38,6 +40,13 @@ def run_callback(session: PlaygroundSession) -> Callable[[str, str, str, str], t
         return answer_outputs(session.run(model, tools, query, system))
 
     return run
+
+
+def model_choices(folders: Sequence[str]) -> list[tuple[str, str]]:
+    """(label, folder) of each folder: its last path part (a Hub id whole), the full path where two share it."""
+    labels = [folder if HUB_ID.fullmatch(folder) and not os.path.exists(folder) else os.path.basename(os.path.normpath(folder))
+              for folder in folders]
+    return [(label if labels.count(label) == 1 else folder, folder) for label, folder in zip(labels, folders)]
 
 
 def _presets_by_name(presets) -> dict[str, Preset]:
@@ -73,7 +82,8 @@ def build_app(folders: Sequence[str | os.PathLike], *, presets=None, framework: 
         gr.Markdown(f"# {TITLE}\nTools and a query in; the model's tool calls out.")
         with gr.Row():
             with gr.Column():
-                model = gr.Dropdown(choices=session.folders, value=session.folders[0], label="Model", elem_id="model")
+                model = gr.Dropdown(choices=model_choices(session.folders), value=session.folders[0], label="Model",
+                                    elem_id="model")
                 preset = gr.Dropdown(choices=list(by_name), value=first.name or None, label="Preset", elem_id="preset")
                 tools = gr.Textbox(value=first.tools, lines=14, max_lines=30, label="Tools (JSON list of schemas)",
                                    elem_id="tools")

@@ -116,6 +116,15 @@ def test_the_app_has_its_boxes_and_presets(demo_folder):
         build_app([str(demo_folder)], presets=[{"name": "x"}])
 
 
+def test_the_model_selector_names_folders_briefly(tmp_path):
+    from needle_hf.playground.app import model_choices
+
+    one, other = str(tmp_path / "a" / "needle"), str(tmp_path / "b" / "needle")
+    assert model_choices([str(tmp_path / "a" / "needle2-hf/"), "org/needle"]) == [
+        ("needle2-hf", str(tmp_path / "a" / "needle2-hf/")), ("org/needle", "org/needle")]
+    assert model_choices([one, other]) == [(one, one), (other, other)]
+
+
 def test_presets_are_the_demo_and_the_installed_app_suites():
     from needle_hf.evaluation import find_suites
 
