@@ -21,8 +21,10 @@ SUITE_FAILED = 3
 
 def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     actions = parser.add_subparsers(dest="eval_action", metavar="ACTION", required=True)
-    suites = actions.add_parser("suites", help="run acceptance suites (the reference's format) against a Needle folder",
-                                description=__doc__.splitlines()[0])
+    summary = "run acceptance suites (the reference's format) against a Needle folder"
+    suites = actions.add_parser("suites", help=summary, description=summary[0].upper() + summary[1:] + ": the "
+                                "cases are asked one by one, scored, and the pass rates printed as a table.",
+                                epilog="Exit status: 0 when every suite passes, 3 when one fails, 1 for bad input.")
     suites.add_argument("folder", metavar="FOLDER", help="a Hugging Face Needle folder")
     suites.add_argument("--suite", dest="suites", metavar="NAME", action="append", default=[],
                         help="run this suite (repeatable; default: all found)")

@@ -67,8 +67,8 @@ def plot_pass_rates(result: EvaluationResult | SuiteResult, path) -> Path:
         positions = [index - 0.4 + width * (offset + 0.5) for index in range(len(suites))]
         axes.bar(positions, rates, width=width, label=category)
     axes.axhline(PASS_LINE, color="black", linestyle="--", linewidth=1, label="90%")
-    axes.set_xticks(range(len(suites)),
-                    [f"{suite.name}\n{suite.passed}/{suite.total} {'PASS' if suite.passes else 'FAIL'}" for suite in suites])
+    labels = [f"{suite.name}\n{suite.passed}/{suite.total} {'PASS' if suite.passes else 'FAIL'}" for suite in suites]
+    axes.set_xticks(range(len(suites)), labels)
     axes.set_ylim(0, 1.05)
     axes.set_ylabel("pass rate")
     gate = f", confidence gate {result.min_confidence:g}" if result.min_confidence else ""

@@ -26,7 +26,8 @@ def _is_agent(value: Any) -> bool:
 
 
 def _check_gate(min_confidence: float) -> float:
-    if isinstance(min_confidence, bool) or not isinstance(min_confidence, (int, float)) or not 0.0 <= min_confidence <= 1.0:
+    number = isinstance(min_confidence, (int, float)) and not isinstance(min_confidence, bool)
+    if not number or not 0.0 <= min_confidence <= 1.0:
         raise ValueError(f"min_confidence: expected a number in [0, 1], got {min_confidence!r}")
     return float(min_confidence)
 

@@ -128,7 +128,8 @@ def _check_case(case: Any, where: str) -> dict:
     if not isinstance(case["category"], str):
         raise SuiteError(f"{where}.category: expected a str, found {type(case['category']).__name__}")
     if not isinstance(case["calls"], list):
-        raise SuiteError(f"{where}.calls: expected a list of calls ([] for no call), found {type(case['calls']).__name__}")
+        raise SuiteError(f"{where}.calls: expected a list of calls ([] for no call), "
+                         f"found {type(case['calls']).__name__}")
     calls = [_check_call(call, f"{where}.calls[{index}]") for index, call in enumerate(case["calls"])]
     critical = case.get("critical", False)
     if not isinstance(critical, bool):
@@ -202,7 +203,10 @@ def load_suite(target: str | os.PathLike | ModuleType) -> Suite:
         module = importlib.import_module(text)
     except ModuleNotFoundError as error:
         if error.name and text.startswith(error.name):
-            raise SuiteError(f"{text}: no module of that name (give a dotted module name or a .py file path)") from None
+            beside = Path(*text.split(".")).with_suffix(".py")
+            hint = f"; the file {beside} is here: pass its path" if beside.is_file() else ""
+            raise SuiteError(f"{text}: no module of that name on the import path (give a dotted module name or a .py "
+                             f"file path){hint}") from None
         raise SuiteError(f"{text}: importing the suite module failed: {error}") from error
     except Exception as error:
         raise SuiteError(f"{text}: importing the suite module failed: {type(error).__name__}: {error}") from error
