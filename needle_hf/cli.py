@@ -9,6 +9,8 @@
     needle-hf lora export PEFT_DIR OUT.pkl [--base HF_DIR] [--overwrite]
     needle-hf eval suites FOLDER [--suite NAME ...] [--module PATH_OR_DOTTED ...] [--min-confidence X]
                                  [--report OUT.md|OUT.json] (see needle_hf.evaluation.command)
+    needle-hf playground FOLDER [FOLDER ...] [--host 127.0.0.1] [--port 7860] [--framework pt|flax]
+                                             [--write-space OUT_DIR [--overwrite]]
 
 Progress goes to stderr, the one-line summary to stdout. A problem with the input (a malformed or
 unsafe file, a key or shape mismatch, an existing output) prints `needle-hf <command>: error: ...`
@@ -168,6 +170,37 @@ def _run_lora_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_playground_arguments(parser: argparse.ArgumentParser):
+    parser.add_argument("folders", metavar="FOLDER", nargs="+",
+                        help="converted Needle folders or Hub ids, each loaded at its first Run; the page switches between them")
+    parser.add_argument("--host", default="127.0.0.1", help="the address to serve on (default: 127.0.0.1, this machine only)")
+    parser.add_argument("--port", type=int, default=7860, help="the port to serve on (default: 7860)")
+    parser.add_argument("--framework", choices=("pt", "flax"), help="the twin to run (default: pt)")
+    parser.add_argument("--write-space", metavar="OUT_DIR",
+                        help="instead of serving, write a Hugging Face Space (app.py, requirements.txt, README.md) "
+                             "that serves the page on FOLDER (one Hub id)")
+    parser.add_argument("--overwrite", action="store_true", help="with --write-space: replace a non-empty OUT_DIR")
+
+
+def _run_playground(args: argparse.Namespace) -> int:
+    if args.write_space:
+        from needle_hf.playground.space import write_space
+
+        if len(args.folders) != 1:
+            raise ValueError(f"--write-space: a Space serves one model, got {len(args.folders)} FOLDERs")
+        out_dir = write_space(args.write_space, args.folders[0], framework=args.framework, overwrite=args.overwrite)
+        print(printable(f"wrote {out_dir}: a Gradio Space serving {args.folders[0]} (app.py, requirements.txt, README.md)"),
+              flush=True)
+        return 0
+    from needle_hf.playground.app import build_app, launch
+
+    app = build_app(args.folders, framework=args.framework)
+    print(printable(f"needle-hf playground: serving {', '.join(args.folders)} on http://{args.host}:{args.port}"),
+          file=sys.stderr, flush=True)
+    launch(app, host=args.host, port=args.port)
+    return 0
+
+
 # name -> (help, add arguments, run)
 COMMANDS = {
     "convert": ("convert a native .pkl or a .cact into a Hugging Face folder", _add_convert_arguments, _run_convert),
@@ -178,6 +211,8 @@ COMMANDS = {
     "push": ("push a Hugging Face Needle folder to the Hub (model card included)", hub.add_push_arguments, hub.run_push),
     "eval": ("run acceptance suites against a Hugging Face Needle folder", evaluation_command.add_eval_arguments,
              evaluation_command.run_eval),
+    "playground": ("serve a web page to try Needle folders with your tools (Gradio, 127.0.0.1)",
+                   _add_playground_arguments, _run_playground),
 }
 
 

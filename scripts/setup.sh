@@ -47,7 +47,7 @@ setup_main() {
     pip_quiet .venv/bin/python -m pip install --upgrade pip
     pip_quiet .venv/bin/python -m pip install "$TORCH" "transformers==4.57.6" "$REFERENCE" \
         "jax>=0.4.30" "flax>=0.10" "huggingface_hub<1.0" pytest hypothesis psutil sentencepiece "${ONNX[@]}"
-    editable pip_quiet .venv/bin/python -m pip install -e ".[flax,torch,grammar,test,finetune,eval]" "$TORCH" "transformers==4.57.6" \
+    editable pip_quiet .venv/bin/python -m pip install -e ".[flax,torch,grammar,test,finetune,eval,playground]" "$TORCH" "transformers==4.57.6" \
         "huggingface_hub<1.0" "datasets==5.0.1" $FINETUNE "$LLGUIDANCE"
     # xgrammar only for benchmarks/grammar.py; without its deps, which would add triton beside CPU torch.
     pip_quiet .venv/bin/python -m pip install --no-deps "xgrammar==0.2.9"
@@ -94,6 +94,27 @@ setup_n3() {
     rm -f .venv-n3/.needle-setup-*
     touch .venv-n3/.needle-setup-$STAMP
 }
+
+# The playground's browser test (tests/playground) drives Debian's Chromium through Playwright; no
+# browser is downloaded. Installed only when missing; without apt (or root) the test skips and says so.
+ensure_chromium() {
+    if command -v chromium >/dev/null && command -v chromedriver >/dev/null; then
+        return 0
+    fi
+    if ! command -v apt-get >/dev/null; then
+        echo "[setup] chromium not installed and apt-get unavailable: the playground's browser test will skip" \
+             "(install Chromium yourself, or see README, 'Playground', for the manual check)" >&2
+        return 0
+    fi
+    local sudo=""
+    [ "$(id -u)" -eq 0 ] || sudo="sudo -n"
+    echo "[setup] installing chromium and chromium-driver (apt) for the playground's browser test" >&2
+    if ! { $sudo apt-get update -qq && $sudo apt-get install -y -qq chromium chromium-driver; } >/dev/null 2>&1; then
+        echo "[setup] could not install chromium with apt-get (no root or no network): the playground's browser" \
+             "test will skip" >&2
+    fi
+}
+ensure_chromium
 
 # Each environment is built in the background with its own log; a failure prints that log and fails.
 LOGS=$(mktemp -d)

@@ -24,7 +24,8 @@ REPO = Path(__file__).resolve().parents[1]
 SOURCE_DIRS = {"needle_hf": REPO / "needle_hf", "needle_hf.conversion": REPO / "conversion",
                "needle_hf.model_cards": REPO / "model_cards"}
 RANKS = {"models": 0, "generation": 1, "tools": 1, "finetune": 1, "hub": 1, "conversion": 1, "model_cards": 1,
-         "cli": 4, "serving": 2, "demo": 2, "sdk": 2, "evaluation": 3}
+         "cli": 4, "serving": 2, "demo": 2, "sdk": 2, "evaluation": 3,
+         "playground": 3}
 
 
 def _modules() -> dict[str, Path]:
