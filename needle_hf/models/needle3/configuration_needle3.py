@@ -404,6 +404,15 @@ class Needle3Config(PretrainedConfig):
             if not ok():
                 raise ValueError(f"Invalid Needle3Config: {message()}")
 
+    def save_pretrained(self, save_directory, push_to_hub=False, **kwargs):
+        """`PretrainedConfig.save_pretrained`, plus the model code and `auto_map` beside config.json, so
+        that the folder loads with `trust_remote_code=True` without needle_hf (see remote_code_needle3.py)."""
+        from .remote_code_needle3 import write_remote_code
+
+        self.to_json_string()  # refuses an unwritable field before any file is written
+        write_remote_code(save_directory, self)
+        return super().save_pretrained(save_directory, push_to_hub=push_to_hub, **kwargs)
+
     # ----------------------------------------------------------------------------------------------
     # Native (reference) config dicts.
     @classmethod

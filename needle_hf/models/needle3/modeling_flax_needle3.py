@@ -32,6 +32,9 @@ from ..needle.numerics import (
     hyper_connection_offsets,
     rope_inverse_frequencies,
 )
+# transformers copies a local folder's remote code one relative import deep from the module it loads:
+# the file the weight table reads Needle 2's hyper-connection entries from is a direct import here too.
+from ..needle.weight_names import _hyper_connection_entries  # noqa: F401
 from .configuration_needle3 import Needle3Config
 from .modeling_needle3 import EMBEDDING_NORM_EPS, mlp_permutations
 from .weight_names_needle3 import HEAD_NAMES, Needle3WeightsError, weight_specs
