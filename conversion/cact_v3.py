@@ -42,7 +42,6 @@ from .cact import BLOB_ALIGNMENT, CODEBOOK_LENGTH, CQ, CQ_RECORD_BITS, FP16, FP3
 CACT3_TAG = 0x05E12A84
 HEADER = struct.Struct("<48If")
 MAX_ORDERS, MAX_SITES, MAX_LAYERS = 4, 16, 64
-ENGRAM_CONV_TAPS = 4
 WRITER_BITS = 4  # the 3.2.8 writer packs every CQ matrix at 4 bits
 HEAD_CODES = {1: "embedding", 2: "confidence", 3: "router"}
 ROUTER_CALIBRATION = (0.90, 0.00, 0.60)  # the router head's calibration row the reference writes
@@ -133,7 +132,7 @@ def slots(config, heads: tuple = ()) -> list:
     tables, slots_, sub, e = config.engram_num_tables, config.engram_slots, config.engram_sub_dim, config.engram_dim
     for s in range(len(config.engram_layers)):
         out += [Slot(f"engram{s}.tables", CQ, (tables * slots_, sub)), Slot(f"engram{s}.key_proj", CQ, (d, e)),
-                Slot(f"engram{s}.value_proj", CQ, (d, e)), Slot(f"engram{s}.taps", FP16, (ENGRAM_CONV_TAPS, d))]
+                Slot(f"engram{s}.value_proj", CQ, (d, e)), Slot(f"engram{s}.taps", FP16, (config.engram_conv_taps, d))]
     out.append(Slot("final_norm", FP16, (d,)))
     if heads:
         out.append(Slot("heads.manifest", FP16, (len(heads),)))
@@ -213,7 +212,7 @@ def _header(config, *, num_tensors: int, kv_window: int) -> bytes:
         config.out_vocab, config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
         config.num_hidden_layers, config.head_dim, config.value_head_dim, config.max_position_embeddings,
         config.mlp_size, config.hyper_connection_lanes, config.sliding_window, mask & 0xFFFFFFFF, mask >> 32,
-        config.qkv_conv_taps, config.engram_slots, config.engram_sub_dim, config.engram_num_tables, ENGRAM_CONV_TAPS,
+        config.qkv_conv_taps, config.engram_slots, config.engram_sub_dim, config.engram_num_tables, config.engram_conv_taps,
         config.engram_conv_dilation, config.engram_seed_heads, len(orders), *(list(orders) + [0] * MAX_ORDERS)[:MAX_ORDERS],
         len(sites), *(list(sites) + [0] * MAX_SITES)[:MAX_SITES], float(config.rope_theta))
 
