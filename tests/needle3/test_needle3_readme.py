@@ -38,8 +38,9 @@ def test_readme_needle3_section_converts_and_generates(tmp_path, monkeypatch, on
     from needle_hf.cli import main
 
     commands, block = needle3_section()
-    convert, export = commands
+    convert, export, build, convert_back = commands
     assert convert[:3] == ["convert", "needle3.safetensors", "needle3-hf"] and export[0] == "export"
+    assert build[0] == "build" and convert_back[:2] == ["convert", build[2]]
     params = make_native_params(NATIVE_CONFIG, seed=3)
     write_reference_checkpoint(tmp_path / "needle3.safetensors", params, NATIVE_CONFIG)
     model_path = train_needle_spm(tmp_path / "spm", vocab_size=NATIVE_CONFIG["vocab_size"],
