@@ -84,6 +84,7 @@ class Needle3Checkpoint:
     native_config: dict
     step: Optional[int]
     run: dict
+    tokenizer_table: Optional[object] = None  # a `.cact` v3's packed tokenizer (PieceTable), if any
 
 
 def read_needle3_checkpoint(path) -> Needle3Checkpoint:
@@ -122,7 +123,17 @@ def _read_source(path: Path) -> Needle3Checkpoint:
         blob = read_cact3(path)
     except Cact3Error as error:
         raise Needle3ConversionError(str(error)) from None
-    return Needle3Checkpoint(blob.flat, blob.native_config, None, {"source": "cact v3"})
+    table = None
+    if blob.tokenizer is not None:
+        from needle_hf.models.needle.tokenization_needle import PieceTable
+
+        from .cact import CactFormatError, parse_tokenizer_table
+
+        try:
+            table = PieceTable.from_mapping(parse_tokenizer_table(blob.tokenizer, where=f"{path}: tokenizer record"))
+        except CactFormatError as error:
+            raise Needle3ConversionError(str(error)) from None
+    return Needle3Checkpoint(blob.flat, blob.native_config, None, {"source": "cact v3"}, table)
 
 
 def config_for_checkpoint(checkpoint: Needle3Checkpoint, *, source: str = "checkpoint"):
@@ -196,9 +207,10 @@ def convert_needle3(
     progress(f"Needle 3: {config.num_hidden_layers} layers, d={config.hidden_size}, vocab {config.vocab_size} "
              f"(head {config.output_vocab_size} rows); output dtype {dtype}")
     fast_tokenizer = None
-    if tokenizer is not None:
-        progress(f"converting the tokenizer {tokenizer}")
-        fast_tokenizer = build_needle3_tokenizer(str(tokenizer), model_max_length=config.max_position_embeddings)
+    if tokenizer is not None or checkpoint.tokenizer_table is not None:
+        progress(f"converting the tokenizer {tokenizer or 'packed in ' + str(source_path)}")
+        fast_tokenizer = build_needle3_tokenizer(str(tokenizer) if tokenizer is not None else checkpoint.tokenizer_table,
+                                                 model_max_length=config.max_position_embeddings)
         check_vocab_matches(fast_tokenizer, config.vocab_size, source=str(source_path))
     progress("mapping tensors to Hugging Face names")
     state = native_to_hf(checkpoint.flat, config, source=str(source_path))

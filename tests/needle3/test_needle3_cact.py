@@ -104,6 +104,23 @@ def test_convert_reads_a_reference_blob(setup, tmp_path):
     assert np.abs(found - expected).max() <= TOLERANCE
 
 
+def test_convert_takes_the_packed_tokenizer(setup, tmp_path):
+    """Without --tokenizer, the blob's own piece table becomes the folder's tokenizer: the same ids and
+    chat prompts as the tokenizer converted from the SentencePiece model."""
+    from transformers import AutoTokenizer
+
+    from needle_hf.cli import main
+
+    folder, _, reference, _ = setup
+    assert main(["convert", str(reference), str(tmp_path / "hf")]) == 0
+    packed, original = AutoTokenizer.from_pretrained(tmp_path / "hf"), AutoTokenizer.from_pretrained(folder / "hf")
+    messages = [{"role": "user", "content": "Wake me at 7, then call Ana"}]
+    tools = [{"name": "set_alarm", "parameters": {"type": "object", "properties": {"hour": {"type": "integer"}}}}]
+    prompt = lambda tok: tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True)  # noqa: E731
+    assert prompt(packed) == prompt(original)
+    assert packed("héllo wörld 42")["input_ids"] == original("héllo wörld 42")["input_ids"]
+
+
 def test_read_refuses_a_truncated_blob(setup, tmp_path):
     from needle_hf.conversion.cact_v3 import Cact3Error, read_cact3
 
