@@ -145,6 +145,14 @@ def build_cact(
     input_paths = {"Hugging Face folder": hf_dir, "adapter": lora, "tokenizer": tokenizer}
     check_output_file(out_path, input_paths, command="build", kind=".cact", overwrite=overwrite, error=CactWriteError)
 
+    from .needle3 import is_needle3_folder
+
+    if is_needle3_folder(hf_dir):
+        if bits not in (None, 4) or bits_map is not None or lora is not None:
+            raise CactWriteError("a Needle 3 folder builds as the 3.2.8 writer does: 4-bit CQ, no bits map, no adapter "
+                                 f"(got bits={bits}, bits_map={bits_map!r}, lora={lora})")
+        return _build_needle3(hf_dir, out_path, tokenizer=tokenizer, embed_tokenizer=embed_tokenizer,
+                              inputs=input_paths, progress=progress, started=started)
     progress(f"reading {hf_dir}")
     config = read_hf_config(hf_dir)
     if bits_map is not None:  # an explicit map, even an empty one, is checked before any other work
@@ -170,3 +178,32 @@ def build_cact(
     write_atomically(out_path, data, inputs=input_paths, command="build",
                      check=lambda staged: records.extend(read_cact(staged).records))
     return BuildResult(out_path, len(records), len(data), scheme, kv_window, tokenizer_source, time.perf_counter() - started)
+
+
+def _build_needle3(hf_dir: Path, out_path: Path, *, tokenizer, embed_tokenizer: bool, inputs: dict, progress: Progress,
+                   started: float) -> BuildResult:
+    """The `.cact` v3 of a Needle 3 folder (`cact_v3`), byte for byte what cactus-needle 3.2.8 writes
+    for the same weights, with the deployment KV window the reference's build records."""
+    from safetensors.numpy import load_file
+
+    from needle_hf.models.needle3.configuration_needle3 import Needle3Config
+    from needle_hf.models.needle3.tokenization_needle3 import NEEDLE3_CHAT_MARKERS
+    from needle_hf.models.needle3.weight_names_needle3 import hf_to_native as needle3_hf_to_native
+
+    from .cact_v3 import cact3_bytes, deployment_kv_window as needle3_kv_window, read_cact3
+    from .cact_writer import tokenizer_record
+
+    progress(f"reading {hf_dir} (Needle 3)")
+    config = Needle3Config.from_pretrained(str(hf_dir))
+    table, tokenizer_source = _tokenizer_table(hf_dir, tokenizer) if embed_tokenizer else (None, "none")
+    state = {name: value.astype("float32") for name, value in load_file(str(hf_dir / "model.safetensors")).items()}
+    flat = needle3_hf_to_native(state, config)
+    kv_window = needle3_kv_window(config)
+    progress(f"quantizing: 4-bit CQ, kv_window {kv_window}, tokenizer from {tokenizer_source}")
+    record = None if table is None else tokenizer_record(table, markers=NEEDLE3_CHAT_MARKERS)
+    data = cact3_bytes(flat, config, tokenizer=record, kv_window=kv_window)
+    records = []
+    write_atomically(out_path, data, inputs=inputs, command="build",
+                     check=lambda staged: records.append(read_cact3(staged)))
+    return BuildResult(out_path, int.from_bytes(data[4:8], "little"), len(data), "CQ 4-bit (cact v3)", kv_window, tokenizer_source,
+                       time.perf_counter() - started)

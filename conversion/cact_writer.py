@@ -186,12 +186,13 @@ def _check_shape(name: str, expected, found):
         raise CactWriteError(f"tensor {name}: shape {found}, expected {shown} for this config")
 
 
-def tokenizer_record(table: PieceTable) -> bytes:
+def tokenizer_record(table: PieceTable, *, markers=CHAT_MARKERS) -> bytes:
     """The RAW tokenizer record of a piece table. As the reference writes it, only the chat markers
-    keep the user-defined type; any other user-defined piece is recorded as a normal one."""
+    (`markers`: Needle 2's by default) keep the user-defined type; any other user-defined piece is
+    recorded as a normal one."""
     out = bytearray(TOKENIZER_HEADER.pack(len(table.pieces), table.pad_id, table.eos_id, table.bos_id, table.unk_id,
                                           int(table.add_dummy_prefix), int(table.byte_fallback), 0))
-    markers = set(CHAT_MARKERS)
+    markers = set(markers)
     for piece, score, kind in zip(table.pieces, table.scores, table.types):
         if kind == PieceType.USER_DEFINED and piece not in markers:
             kind = PieceType.NORMAL

@@ -71,9 +71,11 @@ def read_safetensors_metadata(path) -> Optional[dict]:
 
 def is_needle3_checkpoint(path) -> bool:
     """Whether `path` is a native Needle 3 checkpoint: a safetensors file whose metadata carries the
-    reference's `format_version` and `config`."""
+    reference's `format_version` and `config`, or a `.cact` v3 engine blob."""
+    from .cact_v3 import is_cact3
+
     metadata = read_safetensors_metadata(path)
-    return metadata is not None and "format_version" in metadata and "config" in metadata
+    return (metadata is not None and "format_version" in metadata and "config" in metadata) or is_cact3(path)
 
 
 @dataclass
@@ -82,6 +84,7 @@ class Needle3Checkpoint:
     native_config: dict
     step: Optional[int]
     run: dict
+    tokenizer_table: Optional[object] = None  # a `.cact` v3's packed tokenizer (PieceTable), if any
 
 
 def read_needle3_checkpoint(path) -> Needle3Checkpoint:
@@ -108,6 +111,29 @@ def read_needle3_checkpoint(path) -> Needle3Checkpoint:
     # The reference's loader drops a multi-token-prediction head (it has none); so does the table.
     flat = {name: value for name, value in flat.items() if not name.startswith("mtp_")}
     return Needle3Checkpoint(flat, native, int(step) if step not in (None, "") else None, run if isinstance(run, dict) else {})
+
+
+def _read_source(path: Path) -> Needle3Checkpoint:
+    """A `.safetensors` checkpoint, or a `.cact` v3 blob (its dequantised weights and header geometry)."""
+    from .cact_v3 import Cact3Error, is_cact3, read_cact3
+
+    if not is_cact3(path):
+        return read_needle3_checkpoint(path)
+    try:
+        blob = read_cact3(path)
+    except Cact3Error as error:
+        raise Needle3ConversionError(str(error)) from None
+    table = None
+    if blob.tokenizer is not None:
+        from needle_hf.models.needle.tokenization_needle import PieceTable
+
+        from .cact import CactFormatError, parse_tokenizer_table
+
+        try:
+            table = PieceTable.from_mapping(parse_tokenizer_table(blob.tokenizer, where=f"{path}: tokenizer record"))
+        except CactFormatError as error:
+            raise Needle3ConversionError(str(error)) from None
+    return Needle3Checkpoint(blob.flat, blob.native_config, None, {"source": "cact v3"}, table)
 
 
 def config_for_checkpoint(checkpoint: Needle3Checkpoint, *, source: str = "checkpoint"):
@@ -176,14 +202,15 @@ def convert_needle3(
     _check_output_dir(out_dir, overwrite=overwrite)
 
     progress(f"reading {source_path}")
-    checkpoint = read_needle3_checkpoint(source_path)
+    checkpoint = _read_source(source_path)
     config = config_for_checkpoint(checkpoint, source=str(source_path))
     progress(f"Needle 3: {config.num_hidden_layers} layers, d={config.hidden_size}, vocab {config.vocab_size} "
              f"(head {config.output_vocab_size} rows); output dtype {dtype}")
     fast_tokenizer = None
-    if tokenizer is not None:
-        progress(f"converting the tokenizer {tokenizer}")
-        fast_tokenizer = build_needle3_tokenizer(str(tokenizer), model_max_length=config.max_position_embeddings)
+    if tokenizer is not None or checkpoint.tokenizer_table is not None:
+        progress(f"converting the tokenizer {tokenizer or 'packed in ' + str(source_path)}")
+        fast_tokenizer = build_needle3_tokenizer(str(tokenizer) if tokenizer is not None else checkpoint.tokenizer_table,
+                                                 model_max_length=config.max_position_embeddings)
         check_vocab_matches(fast_tokenizer, config.vocab_size, source=str(source_path))
     progress("mapping tensors to Hugging Face names")
     state = native_to_hf(checkpoint.flat, config, source=str(source_path))

@@ -77,6 +77,7 @@ class _Backend:
         self.grammar = _grammar_for(tokenizer, self.config.vocab_size, enabled=grammar)
         self.eos_token_id = tokenizer.eos_token_id
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        self._needle3 = getattr(self.config, "model_type", None) == "needle3"
 
     @property
     def max_positions(self) -> int:
@@ -166,6 +167,9 @@ class TorchBackend(_Backend):
         import torch
 
         ids, mask = self._left_padded(rows, max(len(r) for r in rows))
+        if self._needle3:  # Needle 3's heads read pad_token_id as padding themselves (as the reference does)
+            with torch.no_grad():
+                return torch.sigmoid(self.model.confidence(torch.from_numpy(ids).to(self.model.device))).tolist()
         with torch.no_grad():
             logit = self.model.confidence_logit(torch.from_numpy(ids).to(self.model.device),
                                                 attention_mask=torch.from_numpy(mask).to(self.model.device))
@@ -312,9 +316,14 @@ def load_backend(model, *, framework: Optional[str] = None, tokenizer=None, gram
             raise ValueError(f"framework={framework!r} given with a {type(model).__name__} (a {own!r} model)")
         framework = own
     from ..models.needle.configuration_needle import NeedleConfig
+    from ..models.needle3.configuration_needle3 import Needle3Config
 
-    if not isinstance(model.config, NeedleConfig):
-        raise ValueError(f"model: expected a Needle model (a NeedleConfig), got a {type(model.config).__name__}")
+    if isinstance(model.config, Needle3Config):
+        if framework != "pt":
+            raise ValueError("framework='flax': the SDK runs Needle 3 with the PyTorch model (framework='pt')")
+    elif not isinstance(model.config, NeedleConfig):
+        raise ValueError(f"model: expected a Needle model (a NeedleConfig or Needle3Config), got a "
+                         f"{type(model.config).__name__}")
     if tokenizer is None:
         if not source:
             raise ValueError("tokenizer: the model has no folder to read its tokenizer from; pass tokenizer=")

@@ -12,6 +12,8 @@ import math
 
 import numpy as np
 
+from needle_reference import first_tap_initial, walsh_initial, perturbed_leaf
+
 # Every architectural option on, odd geometry: d=48 (MLP padded to 64), value heads wider than q/k
 # heads, 3 lanes, 5 layers with a sliding window of 3 and one global layer, two engram sites with
 # a hash-seed stride that differs from the heads, split MLP permutations (ladder_widths), Q/K/V
@@ -56,38 +58,22 @@ def _param_shapes(native: dict, with_heads: bool):
     return jax.eval_shape(init_all, jax.random.PRNGKey(0))
 
 
-def _perturbed_leaf(path: tuple, shape, rng: np.random.Generator) -> np.ndarray:
-    """Reference-like initial value plus noise that makes the leaf matter."""
-    name = path[-1]
-    noise = lambda scale: rng.normal(0.0, scale, shape)  # noqa: E731
-    if name in ("kernel", "embedding", "probes", "query", "cond_v") or name.startswith("mhc_phi"):
-        value = noise(0.05 if name == "embedding" else 0.1 if name in ("probes", "query") else 0.03)
-    elif name in ("scale", "attn_gate", "b2", "cond_u", "row_bias"):
-        value = noise(0.3)
-    elif name in ("d1", "d2", "d3", "gain"):
-        value = 1.0 + noise(0.3)
-    elif name == "d4":
-        value = 0.3 + noise(0.2)
-    elif name in ("w1a", "w1b", "w2a", "w2b", "w3a", "w3b"):
-        size = shape[-1]
-        walsh = np.ones((1, 1))
-        while walsh.shape[0] < size:
-            walsh = np.block([[walsh, walsh], [walsh, -walsh]])
-        value = walsh / math.sqrt(size) + noise(0.15)
-    elif name in ("taps", "q_taps", "k_taps", "v_taps"):
-        value = noise(0.3)
-        value[..., 0, :] += 1.0
-    elif name == "mhc_b_res":
-        value = 4.0 * np.eye(shape[-1]) + noise(0.7)
-    elif name.startswith("mhc_b_") or name == "bias":
-        value = noise(0.5)
-    elif name.startswith("mhc_a_"):
-        value = 0.01 + noise(0.5)
-    elif name == "log_temp":
-        value = np.asarray(math.log(10.0) + rng.normal(0.0, 0.2))
-    else:
-        raise KeyError(f"no perturbation rule for reference leaf {'/'.join(path)}")
-    return np.asarray(value, np.float32).reshape(shape)
+# Needle 3's leaves (see `perturbed_leaf`): Kronecker factors near their Walsh initialisation, a
+# temperature near log 10, the MLP's output diagonal near 0.3.
+NEEDLE3_LEAF_RULES = (
+    (("embedding",), 0.0, 0.05),
+    (("probes", "query"), 0.0, 0.1),
+    (("kernel", "cond_v", "mhc_phi*"), 0.0, 0.03),
+    (("scale", "attn_gate", "b2", "cond_u", "row_bias"), 0.0, 0.3),
+    (("d1", "d2", "d3", "gain"), 1.0, 0.3),
+    (("d4",), 0.3, 0.2),
+    (("w1a", "w1b", "w2a", "w2b", "w3a", "w3b"), walsh_initial, 0.15),
+    (("taps", "q_taps", "k_taps", "v_taps"), first_tap_initial, 0.3),
+    (("mhc_b_res",), lambda shape: 4.0 * np.eye(shape[-1]), 0.7),
+    (("mhc_b_*", "bias"), 0.0, 0.5),
+    (("mhc_a_*",), 0.01, 0.5),
+    (("log_temp",), math.log(10.0), 0.2),
+)
 
 
 def make_native_params(native: dict, seed: int, *, with_heads: bool = True) -> dict:
@@ -96,7 +82,7 @@ def make_native_params(native: dict, seed: int, *, with_heads: bool = True) -> d
     rng = np.random.default_rng(seed)
 
     def fill(tree, prefix=()):
-        return {k: fill(v, prefix + (k,)) if isinstance(v, dict) else _perturbed_leaf(prefix + (k,), v.shape, rng)
+        return {k: fill(v, prefix + (k,)) if isinstance(v, dict) else perturbed_leaf(prefix + (k,), v.shape, rng, NEEDLE3_LEAF_RULES)
                 for k, v in tree.items()}
 
     return fill(dict(shapes))

@@ -141,17 +141,85 @@ def test_export_gives_back_the_reference_checkpoint(converted, tmp_path):
         assert getattr(config, field) == getattr(expected, field), field
 
 
-def test_flax_twin_reproduces_reference_logits(converted, tokens, tmp_path):
-    """The Flax twin reads the same PyTorch-layout folder, with padding in the second row."""
+@pytest.fixture(scope="module")
+def flax_twin(converted, tmp_path_factory):
+    """The Flax twin of the converted model, read from the PyTorch-layout folder by `FlaxAutoModelForCausalLM`."""
+    from transformers import FlaxAutoModelForCausalLM
+
     from needle_hf.models.needle3.modeling_flax_needle3 import FlaxNeedle3ForCausalLM
 
+    folder = tmp_path_factory.mktemp("needle3_flax")
+    converted[1].save_pretrained(folder)
+    model = FlaxAutoModelForCausalLM.from_pretrained(folder)
+    assert isinstance(model, FlaxNeedle3ForCausalLM)
+    return model
+
+
+def test_flax_twin_reproduces_reference_logits(converted, flax_twin, tokens):
+    """The Flax twin reads the same PyTorch-layout folder, with padding in the second row."""
     params, model, _ = converted
-    model.save_pretrained(tmp_path)
-    flax_model = FlaxNeedle3ForCausalLM.from_pretrained(str(tmp_path))
     expected = reference_logits(ALL_OPTIONS_NATIVE_CONFIG, params, tokens)
-    assert np.abs(np.asarray(flax_model(tokens)) - expected).max() <= TOLERANCE
+    assert np.abs(np.asarray(flax_twin(tokens).logits) - expected).max() <= TOLERANCE
     mask = np.ones_like(tokens)
     mask[1, :3] = 0
     with torch.no_grad():
         torch_logits = model(torch.from_numpy(tokens), attention_mask=torch.from_numpy(mask), use_cache=False).logits
-    assert np.abs(np.asarray(flax_model(tokens, attention_mask=mask)) - torch_logits.numpy()).max() <= TOLERANCE
+    found = np.asarray(flax_twin(tokens, attention_mask=mask).logits)
+    assert np.abs(found - torch_logits.numpy()).max() <= TOLERANCE
+
+
+def test_flax_cached_steps_match_full_forward(flax_twin, tokens):
+    """Prefill 5 tokens into a cache of 20 slots, then one token per step, left padding in the second
+    row: the cache carries keys, conv taps and engram state, and sliding-window layers read only their band."""
+    mask = np.ones_like(tokens)
+    mask[1, :3] = 0
+    full = np.asarray(flax_twin(tokens, attention_mask=mask).logits)
+    out = flax_twin(tokens[:, :5], attention_mask=mask[:, :5], past_key_values=flax_twin.init_cache(2, 20))
+    steps = [np.asarray(out.logits)]
+    for t in range(5, tokens.shape[1]):
+        out = flax_twin(tokens[:, t : t + 1], attention_mask=mask[:, : t + 1], past_key_values=out.past_key_values)
+        steps.append(np.asarray(out.logits))
+    assert np.abs(np.concatenate(steps, axis=1) - full).max() <= TOLERANCE
+    assert int(out.past_key_values["seen"]) == tokens.shape[1]
+
+
+def test_flax_greedy_generation_matches_reference_and_torch(converted, flax_twin):
+    """`generate` (jit-compiled, one token per step on the cache) emits the reference's greedy tokens,
+    and the PyTorch twin's on a left-padded batch."""
+    params, model, _ = converted
+    prompt = [17, 4, 250, 99, 31, 8]
+    expected = reference_greedy(ALL_OPTIONS_NATIVE_CONFIG, params, prompt, max_new_tokens=12)
+    ids = np.array([[model.config.bos_token_id, *prompt]])
+    generated = np.asarray(flax_twin.generate(ids, max_new_tokens=12, do_sample=False).sequences)[0, ids.shape[1] :]
+    assert generated.tolist() == expected
+    batch = np.array([[0, 0, 2, 40, 7, 133], [2, 5, 260, 31, 77, 12]])
+    mask = (np.arange(6) >= np.array([[2], [0]])).astype(np.int64)
+    flax_tokens = np.asarray(flax_twin.generate(batch, attention_mask=mask, max_new_tokens=8, do_sample=False).sequences)
+    with torch.no_grad():
+        torch_tokens = model.generate(torch.from_numpy(batch), attention_mask=torch.from_numpy(mask), max_new_tokens=8,
+                                      do_sample=False, pad_token_id=0).numpy()
+    eos = model.config.eos_token_id
+    for row_flax, row_torch in zip(flax_tokens[:, 6:], torch_tokens[:, 6:]):
+        stop = row_torch.tolist().index(eos) + 1 if eos in row_torch.tolist() else len(row_torch)
+        assert row_flax[:stop].tolist() == row_torch[:stop].tolist()
+
+
+@pytest.mark.parametrize("head", ["embedding", "confidence", "router"])
+def test_flax_probe_heads_reproduce_reference(converted, flax_twin, tokens, head):
+    params, _, _ = converted
+    padded = tokens.copy()
+    padded[1, -4:] = 0  # pad tokens are invisible to the heads
+    expected = reference_head(ALL_OPTIONS_NATIVE_CONFIG, params, padded, head)
+    found = np.asarray(getattr(flax_twin, head)(padded))
+    assert found.shape == expected.shape
+    assert np.abs(found - expected).max() <= TOLERANCE
+
+
+def test_flax_twin_saves_the_folder_the_torch_twin_reads(converted, flax_twin, tokens, tmp_path):
+    """Flax `save_pretrained` writes the PyTorch-layout folder back: the PyTorch twin reads it to the same logits."""
+    from transformers import AutoModelForCausalLM
+
+    flax_twin.save_pretrained(tmp_path)
+    again = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        assert torch.equal(again(torch.from_numpy(tokens)).logits, converted[1](torch.from_numpy(tokens)).logits)

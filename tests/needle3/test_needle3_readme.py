@@ -23,12 +23,13 @@ NATIVE_CONFIG = {**ALL_OPTIONS_NATIVE_CONFIG, "vocab_size": 900, "out_vocab": 88
 
 
 def needle3_section() -> tuple[list[list[str]], str]:
-    """(the `needle-hf` command lines as argv lists, the Python block) of docs/needle3.md."""
+    """(the `needle-hf` command lines as argv lists, the Python blocks joined in order) of docs/needle3.md."""
     text = README.read_text(encoding="utf-8")
     section = text[text.index("# Needle 3\n") :]
     bash = re.search(r"^```bash\n(.*?)^```", section, flags=re.DOTALL | re.MULTILINE).group(1)
     commands = [shlex.split(line, comments=True)[1:] for line in bash.splitlines() if line.startswith("needle-hf ")]
-    block = re.search(r"^```python\n(.*?)^```", section, flags=re.DOTALL | re.MULTILINE).group(1)
+    blocks = re.findall(r"^```python\n(.*?)^```", section, flags=re.DOTALL | re.MULTILINE)
+    block = "".join(blocks)
     assert block.startswith(BLOCK_START) and commands
     return commands, block
 
@@ -37,8 +38,9 @@ def test_readme_needle3_section_converts_and_generates(tmp_path, monkeypatch, on
     from needle_hf.cli import main
 
     commands, block = needle3_section()
-    convert, export = commands
+    convert, export, build, convert_back = commands
     assert convert[:3] == ["convert", "needle3.safetensors", "needle3-hf"] and export[0] == "export"
+    assert build[0] == "build" and convert_back[:2] == ["convert", build[2]]
     params = make_native_params(NATIVE_CONFIG, seed=3)
     write_reference_checkpoint(tmp_path / "needle3.safetensors", params, NATIVE_CONFIG)
     model_path = train_needle_spm(tmp_path / "spm", vocab_size=NATIVE_CONFIG["vocab_size"],
@@ -57,4 +59,6 @@ def test_readme_needle3_section_converts_and_generates(tmp_path, monkeypatch, on
     assert prompt_ids[0] == 2 and 4 in prompt_ids and 8 in prompt_ids  # BOS, <|im_start|>, <tools>
     new_tokens = namespace["out"].shape[1] - len(prompt_ids)
     expected = reference_greedy(NATIVE_CONFIG, params, prompt_ids[1:], max_new_tokens=new_tokens)
-    assert printed.getvalue().splitlines()[0] == str(expected)
+    lines = printed.getvalue().splitlines()
+    assert lines[0] == str(expected)
+    assert lines[2] == str(expected)  # the Flax twin's greedy tokens

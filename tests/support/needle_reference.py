@@ -59,32 +59,48 @@ def _param_shapes(native: dict, with_heads: bool):
     return jax.eval_shape(init_all, jax.random.PRNGKey(0))["params"]
 
 
-def _perturbed_leaf(path: tuple[str, ...], shape, rng: np.random.Generator) -> np.ndarray:
-    """Reference-like initial value plus noise that makes the leaf matter."""
+def first_tap_initial(shape) -> np.ndarray:
+    """1 on the current position's tap (taps [..., n, C]), 0 on the others."""
+    base = np.zeros(shape)
+    base[..., 0, :] = 1.0
+    return base
+
+
+def walsh_initial(shape) -> np.ndarray:
+    """The normalised Walsh matrix of a square Kronecker factor [..., s, s]."""
+    walsh = np.ones((1, 1))
+    while walsh.shape[0] < shape[-1]:
+        walsh = np.block([[walsh, walsh], [walsh, -walsh]])
+    return np.broadcast_to(walsh / math.sqrt(shape[-1]), shape)
+
+
+# Per leaf name (a trailing "*" matches a prefix; first match wins): (initial value, noise scale).
+NEEDLE2_LEAF_RULES = (
+    (("embedding",), 0.0, 0.05),
+    (("kernel", "probes", "mhc_phi*"), 0.0, 0.03),
+    (("scale", "attn_gate"), 0.0, 0.3),
+    (("d1", "d2"), 1.0, 0.3),
+    (("d3",), 0.3, 0.2),
+    (("taps",), first_tap_initial, 0.3),
+    (("mhc_b_res",), lambda shape: 4.0 * np.eye(shape[-1]), 0.7),
+    (("mhc_b_*", "bias"), 0.0, 0.5),
+    (("mhc_a_*",), 0.01, 0.5),
+    (("log_temp",), math.log(0.07), 0.2),
+)
+
+
+def perturbed_leaf(path: tuple[str, ...], shape, rng: np.random.Generator, rules=NEEDLE2_LEAF_RULES) -> np.ndarray:
+    """Reference-like initial value plus noise that makes the leaf matter (one draw per leaf).
+
+    rules: `NEEDLE2_LEAF_RULES` or another generation's table of the same form.
+    """
     name = path[-1]
-    noise = lambda scale: rng.normal(0.0, scale, shape)  # noqa: E731
-    if name in ("kernel", "embedding", "probes") or name.startswith("mhc_phi"):
-        value = noise(0.05 if name == "embedding" else 0.03)
-    elif name == "scale" or name == "attn_gate":
-        value = noise(0.3)
-    elif name == "d1" or name == "d2":
-        value = 1.0 + noise(0.3)
-    elif name == "d3":
-        value = 0.3 + noise(0.2)
-    elif name == "taps":
-        value = noise(0.3)
-        value[0] += 1.0
-    elif name == "mhc_b_res":
-        value = 4.0 * np.eye(shape[-1]) + noise(0.7)
-    elif name.startswith("mhc_b_") or name == "bias":
-        value = noise(0.5)
-    elif name.startswith("mhc_a_"):
-        value = 0.01 + noise(0.5)
-    elif name == "log_temp":
-        value = np.asarray(math.log(0.07) + rng.normal(0.0, 0.2))
-    else:
-        raise KeyError(f"no perturbation rule for reference leaf {'/'.join(path)}")
-    return np.asarray(value, np.float32).reshape(shape)
+    for names, initial, scale in rules:
+        if any(name == rule or (rule.endswith("*") and name.startswith(rule[:-1])) for rule in names):
+            noise = rng.normal(0.0, scale, shape)
+            base = initial(shape) if callable(initial) else initial
+            return np.asarray(base + noise, np.float32).reshape(shape)
+    raise KeyError(f"no perturbation rule for reference leaf {'/'.join(path)}")
 
 
 def make_native_params(native: dict, seed: int, with_heads: bool = True) -> dict:
@@ -96,7 +112,7 @@ def make_native_params(native: dict, seed: int, with_heads: bool = True) -> dict
 
     def fill(tree, prefix=()):
         return {
-            k: fill(v, prefix + (k,)) if isinstance(v, dict) else _perturbed_leaf(prefix + (k,), v.shape, rng)
+            k: fill(v, prefix + (k,)) if isinstance(v, dict) else perturbed_leaf(prefix + (k,), v.shape, rng)
             for k, v in tree.items()
         }
 

@@ -64,3 +64,52 @@ class ConfigFields:
         if not isinstance(value, bool) and value not in (0, 1):
             raise ValueError(f"{self.prefix}: {name} must be true or false, got {shown(value)}")
         return bool(value)
+
+
+# Number of taps in each engram's dilated causal convolution (fixed by the architecture).
+ENGRAM_CONV_TAPS = 4
+# Engram sub-table width the reference uses to pick a default number of hash heads.
+ENGRAM_TARGET_SUB_DIM = 128
+
+
+class EngramGeometry:
+    """The engram geometry derived from `hidden_size`, `engram_orders` and `engram_heads`, shared by the
+    Needle 2 and Needle 3 configs (the one place each derivation is written down)."""
+
+    @property
+    def engram_num_heads(self) -> int:
+        """Hash heads per n-gram order (resolves `engram_heads=0`)."""
+        return self.engram_heads or max(1, self.hidden_size // (len(self.engram_orders) * ENGRAM_TARGET_SUB_DIM))
+
+    @property
+    def engram_num_tables(self) -> int:
+        """One hash table per (order, head): table k = order_index * heads + head."""
+        return len(self.engram_orders) * self.engram_num_heads
+
+    @property
+    def engram_sub_dim(self) -> int:
+        return self.hidden_size // self.engram_num_tables
+
+    @property
+    def engram_dim(self) -> int:
+        """Width of the concatenated table rows fed to the engram key/value projections."""
+        return self.engram_num_tables * self.engram_sub_dim
+
+    @property
+    def engram_conv_dilation(self) -> int:
+        return max(self.engram_orders)
+
+    @property
+    def engram_conv_taps(self) -> int:
+        return ENGRAM_CONV_TAPS
+
+    @property
+    def engram_conv_reach(self) -> int:
+        """Earlier positions the engram's dilated convolution reads: (taps - 1) * dilation."""
+        return (ENGRAM_CONV_TAPS - 1) * self.engram_conv_dilation
+
+    @property
+    def engram_history(self) -> int:
+        """Earlier tokens an engram output depends on: the conv reaches back `engram_conv_reach`
+        positions, and the n-gram hashed there reaches back max(orders) - 1 more."""
+        return self.engram_conv_reach + max(self.engram_orders) - 1

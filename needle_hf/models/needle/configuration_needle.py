@@ -10,6 +10,7 @@ import math
 import transformers
 from transformers import PretrainedConfig
 
+from .config_fields import ENGRAM_CONV_TAPS, ENGRAM_TARGET_SUB_DIM, EngramGeometry  # noqa: F401  (names of this module too)
 from .config_fields import MAX_FIELD_VALUE, ConfigFields  # noqa: F401  (MAX_FIELD_VALUE: part of this module's names)
 from .config_fields import shown as _shown
 
@@ -19,10 +20,6 @@ DEFAULT_ROPE_TYPE = "default"
 # Written to every config.json whatever their value (transformers 5.x gives them no defaults).
 DECLARED_FIELDS = ("pad_token_id", "bos_token_id", "eos_token_id", "tie_word_embeddings")
 
-# Number of taps in each engram's dilated causal convolution (fixed by the architecture).
-ENGRAM_CONV_TAPS = 4
-# Engram sub-table width the reference uses to pick a default number of hash heads.
-ENGRAM_TARGET_SUB_DIM = 128
 
 # Field names of the reference `TransformerConfig` mapped to ours. Fields that only steer the
 # reference's training or kernels (flash, remat, scan_unroll, dtype) have no counterpart.
@@ -115,7 +112,7 @@ def _rope_theta(rope_theta, rope_parameters) -> float:
     return _real("rope_theta", DEFAULT_ROPE_THETA if rope_theta is None else rope_theta)
 
 
-class NeedleConfig(PretrainedConfig):
+class NeedleConfig(EngramGeometry, PretrainedConfig):
     r"""Configuration of a Needle 2 model (Cactus Compute's Simple Attention Network).
 
     Defaults describe the released Needle 2 geometry (the reference's ``base`` preset: d=512, 8 query
@@ -297,44 +294,6 @@ class NeedleConfig(PretrainedConfig):
     @property
     def kv_dim(self) -> int:
         return self.num_key_value_heads * self.head_dim
-
-    @property
-    def engram_num_heads(self) -> int:
-        """Hash heads per n-gram order (resolves `engram_heads=0`)."""
-        return self.engram_heads or max(1, self.hidden_size // (len(self.engram_orders) * ENGRAM_TARGET_SUB_DIM))
-
-    @property
-    def engram_num_tables(self) -> int:
-        """One hash table per (order, head): table k = order_index * heads + head."""
-        return len(self.engram_orders) * self.engram_num_heads
-
-    @property
-    def engram_sub_dim(self) -> int:
-        return self.hidden_size // self.engram_num_tables
-
-    @property
-    def engram_dim(self) -> int:
-        """Width of the concatenated table rows fed to the engram key/value projections."""
-        return self.engram_num_tables * self.engram_sub_dim
-
-    @property
-    def engram_conv_dilation(self) -> int:
-        return max(self.engram_orders)
-
-    @property
-    def engram_conv_taps(self) -> int:
-        return ENGRAM_CONV_TAPS
-
-    @property
-    def engram_conv_reach(self) -> int:
-        """Earlier positions the engram's dilated convolution reads: (taps - 1) * dilation."""
-        return (ENGRAM_CONV_TAPS - 1) * self.engram_conv_dilation
-
-    @property
-    def engram_history(self) -> int:
-        """Earlier tokens an engram output depends on: the conv reaches back `engram_conv_reach`
-        positions, and the n-gram hashed there reaches back max(orders) - 1 more."""
-        return self.engram_conv_reach + max(self.engram_orders) - 1
 
     @property
     def hadamard_size(self) -> int:

@@ -11,13 +11,9 @@ from __future__ import annotations
 
 from transformers import PretrainedConfig
 
-from ..needle.config_fields import ConfigFields
+from ..needle.config_fields import ConfigFields, EngramGeometry
 from ..needle.config_fields import shown as _shown
 
-# Engram sub-table width the reference uses to pick a default number of hash heads.
-ENGRAM_TARGET_SUB_DIM = 128
-# Taps of each engram's dilated causal convolution (fixed by the architecture).
-ENGRAM_CONV_TAPS = 4
 # Rank of the Monarch MLP's per-token gain (`cond_v` [D, R] -> softmax -> `cond_u` [R, W]).
 MLP_GAIN_RANK = 8
 
@@ -118,7 +114,7 @@ _FIELDS = ConfigFields("Needle3Config", max_list_length=MAX_LIST_FIELD_LENGTH)
 _integer, _integers, _real, _flag = _FIELDS.integer, _FIELDS.integers, _FIELDS.real, _FIELDS.flag
 
 
-class Needle3Config(PretrainedConfig):
+class Needle3Config(EngramGeometry, PretrainedConfig):
     r"""Configuration of a Needle 3 model (cactus-needle 3.x).
 
     Defaults are the reference's `TransformerConfig` defaults (d=768, 12 query and 2 key/value heads,
@@ -311,33 +307,8 @@ class Needle3Config(PretrainedConfig):
         return self.sliding_window if self.layer_types[layer] == "sliding_attention" else 0
 
     @property
-    def engram_num_heads(self) -> int:
-        return self.engram_heads or max(1, self.hidden_size // (len(self.engram_orders) * ENGRAM_TARGET_SUB_DIM))
-
-    @property
     def engram_seed_stride(self) -> int:
         return self.engram_seed_heads or self.engram_num_heads
-
-    @property
-    def engram_num_tables(self) -> int:
-        """One hash table per (order, head): table k = order_index * heads + head."""
-        return len(self.engram_orders) * self.engram_num_heads
-
-    @property
-    def engram_sub_dim(self) -> int:
-        return self.hidden_size // self.engram_num_tables
-
-    @property
-    def engram_dim(self) -> int:
-        return self.engram_num_tables * self.engram_sub_dim
-
-    @property
-    def engram_conv_dilation(self) -> int:
-        return max(self.engram_orders)
-
-    @property
-    def engram_conv_taps(self) -> int:
-        return ENGRAM_CONV_TAPS
 
     @property
     def mlp_size(self) -> int:
@@ -403,6 +374,15 @@ class Needle3Config(PretrainedConfig):
         for ok, message in checks:
             if not ok():
                 raise ValueError(f"Invalid Needle3Config: {message()}")
+
+    def save_pretrained(self, save_directory, push_to_hub=False, **kwargs):
+        """`PretrainedConfig.save_pretrained`, plus the model code and `auto_map` beside config.json, so
+        that the folder loads with `trust_remote_code=True` without needle_hf (see remote_code_needle3.py)."""
+        from .remote_code_needle3 import write_remote_code
+
+        self.to_json_string()  # refuses an unwritable field before any file is written
+        write_remote_code(save_directory, self)
+        return super().save_pretrained(save_directory, push_to_hub=push_to_hub, **kwargs)
 
     # ----------------------------------------------------------------------------------------------
     # Native (reference) config dicts.
