@@ -89,7 +89,8 @@ setup_n3() {
     [ -x .venv-n3/bin/python ] || "$PYTHON" -m venv .venv-n3
     pip_quiet .venv-n3/bin/python -m pip install --upgrade pip
     pip_quiet .venv-n3/bin/python -m pip install "$TORCH" "transformers==4.57.6" "$REFERENCE_N3" \
-        "jax>=0.4.30" "flax>=0.10" numpy safetensors sentencepiece "huggingface_hub<1.0" pytest psutil "hypothesis>=6"
+        "jax>=0.4.30" "flax>=0.10" numpy safetensors sentencepiece "huggingface_hub<1.0" pytest psutil "hypothesis>=6" \
+        "$LLGUIDANCE" $FINETUNE
     editable pip_quiet .venv-n3/bin/python -m pip install --no-deps -e .
     rm -f .venv-n3/.needle-setup-*
     touch .venv-n3/.needle-setup-$STAMP
