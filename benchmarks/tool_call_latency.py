@@ -17,9 +17,10 @@ own process (its own compile caches and peak RSS):
 
 Per row: prompt tokens, time to first token (prefill + first step), prefill tok/s, decode tok/s
 after the first token, total ms of the call (the median of 3 after a warm-up call, whose time is
-reported as the first call); the reference's total for the same number of new tokens and for 25. Bounds: prefill against this machine's measured float32 GEMM rate
-(2 x weight-matmul parameters x prompt tokens of work); decode against the read bound (weight
-bytes a step reads / the bandwidth a two-thread matrix-vector product reaches).
+reported as the first call); the reference's total for the same number of new tokens and for 25.
+Bounds: prefill against this machine's measured float32 GEMM rate (2 x weight-matmul parameters x
+prompt tokens of work); decode against the read bound (weight bytes a step reads / the bandwidth a
+two-thread matrix-vector product reaches).
 
     .venv/bin/python benchmarks/tool_call_latency.py [--rows torch flax ...] [--skip-reference]
 """
