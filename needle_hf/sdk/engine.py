@@ -12,15 +12,19 @@
   - `embed(texts)`: the contrastive head's unit embeddings [N, C] and its temperature.
   - `count(text)`: token count of a text without special tokens.
 
-Greedy decoding on both: PyTorch through `generate()` (a logits processor notes when the prefill's
-logits arrive, which splits the wall time), Flax through a loop of two compiled functions, the
-prefill and one cached decoding step, with the grammar's mask applied on the host between steps.
+Greedy decoding on both. PyTorch: a plain loop over the model's cache (the prompt once, then one
+token a forward, the grammar's mask applied to each step's logits), on ``cpu_threads`` threads; with
+a confidence head each forward also returns its hidden states, so the head is read without running
+the prompt again. With ``compile=True``: `generate()` with a static cache and compiled layer
+programs. Flax: a loop of two compiled functions, the prefill and one cached decoding step, with
+the grammar's mask applied on the host between steps.
 Prompts are left-padded to a multiple of 64 tokens and the cache to one of 256 on Flax, so a
 conversation compiles few shapes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import time
@@ -41,6 +45,8 @@ class Generation:
         token_probs: [len(ids)] probability of each chosen token.
         finished: EOS was generated (False: cut at max_new_tokens).
         prefill_seconds, decode_seconds: wall time until the first new token's logits, and after it.
+        confidence: the confidence head's probability of prompt + answer, when the backend read it
+            while decoding (a finished answer of a model with the head); None: not read.
     """
 
     ids: list
@@ -48,6 +54,7 @@ class Generation:
     finished: bool
     prefill_seconds: float
     decode_seconds: float
+    confidence: Optional[float] = None
 
 
 def _grammar_for(tokenizer, vocab_size: int, *, enabled: bool):
@@ -59,6 +66,20 @@ def _grammar_for(tokenizer, vocab_size: int, *, enabled: bool):
         return ToolCallGrammar(tokenizer, vocab_size=vocab_size)
     except ImportError:  # the [grammar] extra is not installed: decode unconstrained
         return None
+
+
+@contextlib.contextmanager
+def _torch_threads_restored(threads: Optional[int]):
+    """torch's intra-op thread count set to ``threads`` (None: left alone) inside, put back on leaving."""
+    import torch
+
+    previous = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 def _softmax(logits: np.ndarray) -> np.ndarray:
@@ -115,13 +136,81 @@ class TorchBackend(_Backend):
 
     framework = "pt"
 
-    def __init__(self, model, tokenizer, *, grammar: bool, compile: bool = False):
+    def __init__(self, model, tokenizer, *, grammar: bool, compile: bool = False, cpu_threads: int = 1):
         super().__init__(model.eval(), tokenizer, grammar=grammar)
         self.compile = compile
+        self.cpu_threads = cpu_threads
 
     def generate(self, rows, *, max_new_tokens: int, tools=None) -> list[Generation]:
+        if self.compile:
+            return self._generate_compiled(rows, max_new_tokens=max_new_tokens, tools=tools)
+        return self._generate_greedy(rows, max_new_tokens=max_new_tokens, tools=tools)
+
+    def _generate_greedy(self, rows, *, max_new_tokens: int, tools=None) -> list[Generation]:
+        """Greedy decoding with the model's cache in a plain loop: the prompt once, then one token a
+        forward, positions and masks as `generate()` builds them (so the same tokens). With a
+        confidence head every forward also returns its hidden states, and the head reads them after
+        the answer, so the prompt is not run a second time."""
         import torch
-        from transformers import LogitsProcessor, LogitsProcessorList
+        from transformers import DynamicCache
+
+        ids, mask = self._left_padded(rows, max(len(r) for r in rows))
+        batch, width = ids.shape
+        device = self.model.device
+        processor = self._processor(tools)
+        cells = self.has_confidence_head
+        sequences = torch.from_numpy(ids).to(device)  # [B, T + generated]
+        attention = torch.from_numpy(mask).to(device)
+        positions = attention.cumsum(-1) - 1
+        positions.masked_fill_(attention == 0, 1)
+        cache = DynamicCache(config=self.config)
+        fed_cells, fed_keep = [], [attention.bool()]  # per forward: cells [B, S, L + 1, d], kept [B, S]
+        unfinished = torch.ones(batch, dtype=torch.bool, device=device)
+        new, probs = [], []  # per step: [B] token, [B] its probability
+        tokens, step_positions = sequences, positions
+        prefill = None
+        start = time.perf_counter()
+        with torch.no_grad(), _torch_threads_restored(self.cpu_threads if device.type == "cpu" else None):
+            for step in range(max_new_tokens):
+                out = self.model(input_ids=tokens, attention_mask=attention, position_ids=step_positions, cache=cache,
+                                 use_cache=True, output_hidden_states=cells, logits_to_keep=1, return_dict=True)
+                if cells:
+                    fed_cells.append(self.model.cells_from_hidden_states(tokens, out.hidden_states))
+                scores = out.logits[:, -1].float()  # [B, V]
+                if prefill is None:
+                    prefill = time.perf_counter() - start
+                if processor is not None:
+                    scores = processor(sequences, scores)
+                distribution = torch.softmax(scores, dim=-1)
+                chosen = torch.argmax(scores, dim=-1)
+                chosen = torch.where(unfinished, chosen, torch.full_like(chosen, self.pad_token_id))
+                new.append(chosen)
+                probs.append(distribution.gather(1, chosen[:, None])[:, 0])
+                sequences = torch.cat([sequences, chosen[:, None]], dim=-1)
+                unfinished = unfinished & (chosen != self.eos_token_id)
+                if not bool(unfinished.any()) or step + 1 == max_new_tokens:
+                    break
+                fed_keep.append(unfinished[:, None])  # the next forward feeds this token: part of the answer
+                tokens = chosen[:, None]
+                attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=-1)
+                step_positions = step_positions[:, -1:] + 1
+            end = time.perf_counter()
+            new_ids = torch.stack(new, dim=1).cpu().numpy()  # [B, N]
+            new_probs = torch.stack(probs, dim=1).cpu().numpy()  # [B, N]
+            head = None
+            if cells:
+                logit = self.model.confidence_head(torch.cat(fed_cells, dim=1), torch.cat(fed_keep, dim=1),
+                                                   self.model.model.embed_tokens.weight.dtype)
+                head = torch.sigmoid(logit.float()).cpu().tolist()
+        prefill = end - start if prefill is None else prefill
+        return [self._generation(new_ids[row], new_probs[row], prefill, end - start - prefill, by_token=False,
+                                 confidence=None if head is None else head[row]) for row in range(batch)]
+
+    def _generate_compiled(self, rows, *, max_new_tokens: int, tools=None) -> list[Generation]:
+        """`generate()` with a static cache and the project's compiled decoding (one compiled program
+        per layer variant); a logits processor notes when the prefill's logits arrive."""
+        import torch
+        from transformers import CompileConfig, LogitsProcessor, LogitsProcessorList
 
         clock: list[float] = []
 
@@ -133,12 +222,8 @@ class TorchBackend(_Backend):
         ids, mask = self._left_padded(rows, max(len(r) for r in rows))
         device = self.model.device
         processors = [p for p in (self._processor(tools),) if p is not None] + [_Clock()]
-        options = {}
-        if self.compile:  # the project's compiled decoding: static cache, one compiled program per layer variant
-            from transformers import CompileConfig
-
-            options = {"cache_implementation": "static",
-                       "compile_config": CompileConfig(fullgraph=True, dynamic=False, mode="default")}
+        options = {"cache_implementation": "static",
+                   "compile_config": CompileConfig(fullgraph=True, dynamic=False, mode="default")}
         start = time.perf_counter()
         with torch.no_grad():
             out = self.model.generate(
@@ -151,17 +236,19 @@ class TorchBackend(_Backend):
         new = out.sequences[:, ids.shape[1]:].cpu().numpy()  # [B, N]
         probs = np.stack([torch.softmax(s.float(), dim=-1).cpu().numpy() for s in out.scores], axis=1)  # [B, N, V]
         prefill = (clock[0] if clock else end) - start
-        return [self._generation(new[row], probs[row], prefill, end - start - prefill) for row in range(len(rows))]
+        return [self._generation(new[row], probs[row], prefill, end - start - prefill, by_token=True)
+                for row in range(len(rows))]
 
-    def _generation(self, new, probs, prefill, decode) -> Generation:
+    def _generation(self, new, probs, prefill, decode, *, by_token: bool, confidence=None) -> Generation:
+        """new: [N] ids; probs: [N] the chosen tokens' probabilities, or [N, V] distributions (``by_token``)."""
         tokens, token_probs, finished = [], [], False
         for step, token in enumerate(new.tolist()):
             if token == self.eos_token_id:
                 finished = True
                 break
             tokens.append(token)
-            token_probs.append(float(probs[step, token]))
-        return Generation(tokens, token_probs, finished, prefill, decode)
+            token_probs.append(float(probs[step, token] if by_token else probs[step]))
+        return Generation(tokens, token_probs, finished, prefill, decode, confidence if finished else None)
 
     def confidence(self, rows) -> list[float]:
         import torch
@@ -278,7 +365,7 @@ class FlaxBackend(_Backend):
 
 
 def load_backend(model, *, framework: Optional[str] = None, tokenizer=None, grammar: bool = True,
-                 compile: bool = False, device=None):
+                 compile: bool = False, device=None, cpu_threads: int = 1):
     """A backend for ``model``: a folder, a Hub id, or a loaded `NeedleForCausalLM` / `FlaxNeedleForCausalLM`.
 
     Args:
@@ -289,6 +376,10 @@ def load_backend(model, *, framework: Optional[str] = None, tokenizer=None, gram
         compile: PyTorch only: decode with a static cache and compiled layer programs (README, "Fast
             decoding"); the first call compiles.
         device: PyTorch only: where to put a model loaded here (default CPU).
+        cpu_threads: PyTorch on the CPU: torch's intra-op thread count while answering (put back
+            afterwards). One by default: a call is thousands of small ops, and with several OpenMP
+            threads each waits for every thread to be scheduled, which on a busy machine made the
+            whole call 5-10x slower than one thread (benchmarks/README.md).
     """
     from transformers import AutoTokenizer
 
@@ -296,6 +387,8 @@ def load_backend(model, *, framework: Optional[str] = None, tokenizer=None, gram
 
     if framework is not None and framework not in FRAMEWORKS:
         raise ValueError(f"framework: expected one of {FRAMEWORKS}, got {framework!r}")
+    if isinstance(cpu_threads, bool) or not isinstance(cpu_threads, int) or cpu_threads < 1:
+        raise ValueError(f"cpu_threads: expected a positive int, got {cpu_threads!r}")
     if isinstance(model, (str, os.PathLike)):
         source = os.fspath(model)
         framework = framework or "pt"
@@ -329,7 +422,7 @@ def load_backend(model, *, framework: Optional[str] = None, tokenizer=None, gram
             raise ValueError("tokenizer: the model has no folder to read its tokenizer from; pass tokenizer=")
         tokenizer = AutoTokenizer.from_pretrained(source)
     if framework == "pt":
-        return TorchBackend(model, tokenizer, grammar=grammar, compile=compile)
+        return TorchBackend(model, tokenizer, grammar=grammar, compile=compile, cpu_threads=cpu_threads)
     if compile:
         raise ValueError("compile=True is for framework='pt' (the Flax backend compiles its steps always)")
     return FlaxBackend(model, tokenizer, grammar=grammar)

@@ -115,11 +115,13 @@ class Needle:
         top_k_tools: retrieval width (see the module docstring); None: offer every tool.
         compile: PyTorch: decode with a static cache and compiled layer programs.
         device: PyTorch: the device to load the model on.
+        cpu_threads: PyTorch on the CPU: torch's thread count while answering (default 1; see
+            `needle_hf.sdk.engine.load_backend`).
     """
 
     def __init__(self, model=None, tools=None, system: Optional[str] = None, *, framework: Optional[str] = None,
                  tokenizer=None, grammar: bool = True, top_k_tools: Optional[int] = DEFAULT_TOP_K_TOOLS,
-                 compile: bool = False, device=None):
+                 compile: bool = False, device=None, cpu_threads: int = 1):
         from .engine import _Backend, load_backend
 
         if model is None:
@@ -128,7 +130,8 @@ class Needle:
         if top_k_tools is not None and (not isinstance(top_k_tools, int) or top_k_tools < 1):
             raise ValueError(f"top_k_tools: expected a positive int or None, got {top_k_tools!r}")
         self._backend = model if isinstance(model, _Backend) else load_backend(
-            model, framework=framework, tokenizer=tokenizer, grammar=grammar, compile=compile, device=device)
+            model, framework=framework, tokenizer=tokenizer, grammar=grammar, compile=compile, device=device,
+            cpu_threads=cpu_threads)
         self._tool_schemas, self._functions = resolve_tools(tools)
         self._system = (system or "").strip()
         self.top_k_tools = top_k_tools
@@ -348,7 +351,9 @@ def _envelope_of(backend, prompt: list[int], generation, confidence_head: Option
                          **timing)
     token_confidence = min(generation.token_probs) if generation.token_probs else None
     if backend.has_confidence_head:
-        head = confidence_head if confidence_head is not None else backend.confidence([prompt + generation.ids])[0]
+        head = confidence_head if confidence_head is not None else generation.confidence
+        if head is None:
+            head = backend.confidence([prompt + generation.ids])[0]
         confidence = head if token_confidence is None else min(head, token_confidence)
     else:
         confidence = token_confidence

@@ -182,6 +182,44 @@ def test_confidence_is_the_head_capped_by_the_answer_tokens(agents):
     assert envelope["confidence"] == pytest.approx(min(head, min(generation.token_probs)), abs=1e-6)
 
 
+def test_the_decoding_loop_gives_generate_s_tokens_and_reads_the_confidence_on_the_way(agents):
+    """The PyTorch backend's greedy loop equals `generate()` with the grammar's logits processor on a
+    left-padded batch (tokens exactly, token probabilities to 1e-6), and the confidence it reads off
+    the decoding forwards equals the head run afresh on prompt + answer."""
+    import torch
+    from transformers import LogitsProcessorList
+
+    agent = agents("pt")
+    backend = agent._backend
+    prompts = []
+    for query in QUERIES:
+        agent.reset()
+        agent._messages.append({"role": "user", "content": query})
+        agent._offered = agent._route(query)
+        prompts.append(agent._prompt_ids(MAX_NEW_TOKENS))
+    assert len(set(map(len, prompts))) > 1  # the batch is left-padded
+    generations = backend.generate(prompts, max_new_tokens=MAX_NEW_TOKENS, tools=agent._offered)
+    ids, mask = backend._left_padded(prompts, max(map(len, prompts)))
+    eos = backend.eos_token_id
+    with torch.no_grad():
+        out = backend.model.generate(
+            input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask), max_new_tokens=MAX_NEW_TOKENS,
+            do_sample=False, logits_processor=LogitsProcessorList([backend._processor(agent._offered)]),
+            return_dict_in_generate=True, output_scores=True, eos_token_id=eos, pad_token_id=backend.pad_token_id)
+    assert any(generation.finished for generation in generations)
+    for row, generation in enumerate(generations):
+        expected = out.sequences[row, ids.shape[1]:].tolist()
+        answer = expected[: expected.index(eos)] if eos in expected else expected
+        assert generation.ids == answer and generation.finished == (eos in expected)
+        probs = [float(torch.softmax(out.scores[step][row], dim=-1)[token]) for step, token in enumerate(answer)]
+        assert generation.token_probs == pytest.approx(probs, abs=1e-6)
+        if generation.finished:
+            afresh = backend.confidence([prompts[row] + generation.ids])[0]
+            assert generation.confidence == pytest.approx(afresh, abs=1e-5)
+        else:
+            assert generation.confidence is None
+
+
 @pytest.mark.parametrize("framework", TWINS)
 def test_run_calls_the_function_and_feeds_the_result_back(agents, framework):
     agent = agents(framework)
@@ -321,3 +359,5 @@ def test_bad_arguments_get_clear_errors(folder):
         needle_hf.Needle(folder, framework="tf")
     with pytest.raises(ValueError, match="top_k_tools: expected a positive int or None"):
         needle_hf.Needle(folder, top_k_tools=0)
+    with pytest.raises(ValueError, match="cpu_threads: expected a positive int"):
+        needle_hf.Needle(folder, cpu_threads=0)
