@@ -142,8 +142,9 @@ class TorchBackend(_Backend):
         self.cpu_threads = cpu_threads
 
     def generate(self, rows, *, max_new_tokens: int, tools=None) -> list[Generation]:
-        if self.compile:
-            return self._generate_compiled(rows, max_new_tokens=max_new_tokens, tools=tools)
+        if self.compile or self._needle3:  # Needle 3's forward has its own cache and no position_ids
+            return self._generate_with_generate(rows, max_new_tokens=max_new_tokens, tools=tools,
+                                                compiled=self.compile)
         return self._generate_greedy(rows, max_new_tokens=max_new_tokens, tools=tools)
 
     def _generate_greedy(self, rows, *, max_new_tokens: int, tools=None) -> list[Generation]:
@@ -206,9 +207,9 @@ class TorchBackend(_Backend):
         return [self._generation(new_ids[row], new_probs[row], prefill, end - start - prefill, by_token=False,
                                  confidence=None if head is None else head[row]) for row in range(batch)]
 
-    def _generate_compiled(self, rows, *, max_new_tokens: int, tools=None) -> list[Generation]:
-        """`generate()` with a static cache and the project's compiled decoding (one compiled program
-        per layer variant); a logits processor notes when the prefill's logits arrive."""
+    def _generate_with_generate(self, rows, *, max_new_tokens: int, tools=None, compiled: bool) -> list[Generation]:
+        """`generate()`; when ``compiled``, with a static cache and the project's compiled decoding (one
+        compiled program per layer variant). A logits processor notes when the prefill's logits arrive."""
         import torch
         from transformers import CompileConfig, LogitsProcessor, LogitsProcessorList
 
@@ -223,9 +224,9 @@ class TorchBackend(_Backend):
         device = self.model.device
         processors = [p for p in (self._processor(tools),) if p is not None] + [_Clock()]
         options = {"cache_implementation": "static",
-                   "compile_config": CompileConfig(fullgraph=True, dynamic=False, mode="default")}
+                   "compile_config": CompileConfig(fullgraph=True, dynamic=False, mode="default")} if compiled else {}
         start = time.perf_counter()
-        with torch.no_grad():
+        with torch.no_grad(), _torch_threads_restored(self.cpu_threads if device.type == "cpu" else None):
             out = self.model.generate(
                 input_ids=torch.from_numpy(ids).to(device), attention_mask=torch.from_numpy(mask).to(device),
                 max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
