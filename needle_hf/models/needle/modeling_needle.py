@@ -112,6 +112,9 @@ from .weight_names import NeedleWeightsError  # the one exception of both twins'
 from .weight_names import cq_weight_bits  # noqa: F401
 
 
+# transformers 5.x looks attention functions up with a default (`get_interface`); 4.57 indexes them.
+_ATTENTION_INTERFACE_LOOKUP = hasattr(ALL_ATTENTION_FUNCTIONS, "get_interface")
+
 # Tied weights as the installed transformers spells them: 5.x maps each tied name to its source,
 # 4.57 lists the names it ties to `get_input_embeddings()`.
 _TIED_WEIGHTS_KEYS = (
@@ -572,9 +575,11 @@ class NeedleResidualLinear(nn.Linear):
 class NeedleAttention(nn.Module):
     """Grouped-query self-attention with q/k norms, half-split RoPE and a sigmoid output gate.
 
-    The attention product itself runs through transformers' attention-function interface:
-    `eager_attention_forward` for ``"eager"``, ``ALL_ATTENTION_FUNCTIONS[config._attn_implementation]``
-    otherwise (sdpa, flex_attention, paged backends).
+    The attention product runs through transformers' attention-function interface as in
+    ``models/llama``: ``ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation,
+    eager_attention_forward)`` on 5.x, `eager_attention_forward` or
+    ``ALL_ATTENTION_FUNCTIONS[config._attn_implementation]`` on 4.57. transformers reads this file
+    for those forms before `set_attn_implementation` switches the kernel of a loaded model.
     """
 
     is_causal = True
@@ -628,12 +633,20 @@ class NeedleAttention(nn.Module):
         elif cache is not None and self.layer_idx is not None:
             k, v = cache.update(k, v, self.layer_idx, {"cache_position": step.cache_position})  # [B, KV, K, hd]
 
-        implementation = step.attention_implementation or self.config._attn_implementation
-        attention = eager_attention_forward if implementation == "eager" else ALL_ATTENTION_FUNCTIONS[implementation]
+        attention_interface: Callable = eager_attention_forward
+        if step.attention_implementation is not None:  # a compiled decoding step's own choice
+            if step.attention_implementation != "eager":
+                attention_interface = ALL_ATTENTION_FUNCTIONS[step.attention_implementation]
+        elif _ATTENTION_INTERFACE_LOOKUP:  # transformers 5.x
+            attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
+                self.config._attn_implementation, eager_attention_forward
+            )
+        elif self.config._attn_implementation != "eager":  # transformers 4.57
+            attention_interface = ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]
         layout = step.packed_layout
         if layout is not None:  # packed sequences one per row: [N, heads, L, hd]
             q, k, v = layout.pack(q), layout.pack(k), layout.pack(v)
-        out, probs = attention(
+        out, probs = attention_interface(
             self,
             q,
             k,
@@ -1035,7 +1048,10 @@ class NeedlePreTrainedModel(PreTrainedModel):
     _supports_flash_attn = False
     _supports_flash_attn_2 = False
     _supports_flex_attn = True
-    _supports_attention_backend = True
+    # vLLM's generic Transformers backend serves a model that declares this through its own attention
+    # and KV cache, without the engram memory, the hyper-connection lanes or Needle's masks: it would
+    # serve Needle wrongly. Needle is served by the `needle_hf.serving.vllm` plugin's model instead.
+    _supports_attention_backend = False
     _supports_cache_class = True
     _supports_static_cache = True  # the engram state lives in the cache (`NeedleEngramCacheLayer`)
     _can_compile_fullgraph = True
