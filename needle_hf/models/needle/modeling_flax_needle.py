@@ -74,6 +74,10 @@ from .ops_flax_needle import (
 )
 from .specification_needle import NeedleWeightsError, check_positions, embedding_scale, prompt_ids_error
 
+# transformers copies only a model file's own relative imports out of a local folder
+# (trust_remote_code=True): the modules that the modules above import are named here too.
+from .weight_names import check_weights  # noqa: F401  (loading_flax_needle)
+
 
 @flax.struct.dataclass
 class FlaxNeedleCausalLMOutput(FlaxCausalLMOutput):

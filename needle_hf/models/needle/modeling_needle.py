@@ -126,9 +126,11 @@ from .specification_needle import (
     embedding_scale,
 )
 
-# deploy_numerics reads the QAT widths from the weight table. Imported here too because transformers
-# copies only a model file's own relative imports out of a local folder (trust_remote_code=True).
-from .weight_names import cq_weight_bits  # noqa: F401
+# transformers copies only a model file's own relative imports out of a local folder
+# (trust_remote_code=True): the modules that the modules above import are named here too.
+from .mtp_option import pop_mtp_option  # noqa: F401  (generation_needle)
+from .speculative import mtp_generate  # noqa: F401  (generation_needle)
+from .weight_names import cq_weight_bits  # noqa: F401  (deploy_numerics reads the QAT widths)
 
 
 # transformers 5.x looks attention functions up with a default (`get_interface`); 4.57 indexes them.
