@@ -124,12 +124,14 @@ def test_folder_holds_config_generation_config_and_the_native_tensors(converted,
     from transformers import AutoConfig, GenerationConfig
 
     assert sorted(p.name for p in converted.iterdir()) == [
-        "cache_flax_needle.py", "cache_needle.py", "chat_template.jinja", "compiled_decoding_needle.py", "config.json",
-        "config_fields.py", "configuration_needle.py", "conversion_report.json",
-        "deploy_numerics.py", "deploy_numerics_flax.py", "generation_config.json", "model.safetensors",
-        "modeling_flax_needle.py", "modeling_needle.py", "mtp_option.py", "numerics.py", "remote_code.py",
-        "special_tokens_map.json", "speculative.py", "speculative_flax.py", "tokenizer.json",
-        "tokenizer_config.json", "weight_names.py",
+        "cache_flax_needle.py", "cache_needle.py", "chat_template.jinja", "compiled_decoding_needle.py",
+        "config.json", "config_fields.py", "configuration_needle.py", "conversion_report.json", "deploy_numerics.py",
+        "deploy_numerics_flax.py", "generation_config.json", "generation_needle.py", "heads_flax_needle.py",
+        "heads_needle.py", "loading_flax_needle.py", "loading_needle.py", "masking_flax_needle.py",
+        "masking_needle.py", "model.safetensors", "modeling_flax_needle.py", "modeling_needle.py", "mtp_option.py",
+        "numerics.py", "ops_flax_needle.py", "ops_needle.py", "remote_code.py", "special_tokens_map.json",
+        "specification_needle.py", "speculative.py", "speculative_flax.py", "tokenizer.json", "tokenizer_config.json",
+        "weight_names.py",
     ]
     config = AutoConfig.from_pretrained(str(converted))
     assert config.model_type == "needle2" and config.architectures == ["NeedleForCausalLM"]

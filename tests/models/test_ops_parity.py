@@ -18,7 +18,12 @@ from conversion import native_forward as numpy_ops
 from needle_hf import modeling_flax_needle as flax_ops
 from needle_hf import modeling_needle as torch_ops
 from needle_hf.models.needle.configuration_needle import NeedleConfig
-from needle_hf.models.needle.numerics import SINKHORN_LINEAR_SPACE_MAX_SPREAD, walsh_factor_sizes, walsh_matrix
+from needle_hf.models.needle.numerics import (
+    SINKHORN_LINEAR_SPACE_MAX_SPREAD,
+    rope_inverse_frequencies,
+    walsh_factor_sizes,
+    walsh_matrix,
+)
 
 F32_TOL = 2e-6
 EPS = 1e-6
@@ -51,7 +56,7 @@ def test_rotary_embedding():
     angles = numpy_ops.rope_angles(positions, head_dim, theta)  # [B, T, H/2]
     want = np.stack([numpy_ops.apply_rotary(x[i : i + 1], np.cos(angles[i]), np.sin(angles[i]))[0] for i in range(batch)])
 
-    cos, sin = flax_ops.rope_tables(jnp.asarray(positions), head_dim, theta)
+    cos, sin = flax_ops.rope_tables(jnp.asarray(positions), rope_inverse_frequencies(head_dim, theta))
     _close(cos, np.cos(angles))
     _close(flax_ops.apply_rotary(jnp.asarray(x), cos, sin), want)
 
@@ -97,7 +102,9 @@ def test_walsh_transform(width):
     np.testing.assert_array_equal(walsh_matrix(width), ((-1.0) ** parity / np.sqrt(width)).astype(np.float32))
     z = _rng(5).standard_normal((2, 3, width)).astype(np.float32)
     want = numpy_ops.walsh_transform(z)
-    _close(flax_ops.walsh_transform(jnp.asarray(z)), want, tol=1e-5)
+    flax_factors = tuple(jnp.asarray(walsh_matrix(m)) for m in walsh_factor_sizes(width))
+    _close(flax_ops.walsh_transform(jnp.asarray(z), flax_factors), want, tol=1e-5)
+    _close(flax_ops.walsh_transform(jnp.asarray(z), jnp.asarray(walsh_matrix(width))), want, tol=1e-5)
     _close(torch_ops.walsh_transform(torch.from_numpy(z), _torch_walsh_factors(width)), want, tol=1e-5)
     _close(torch_ops.walsh_transform(torch.from_numpy(z), torch.from_numpy(walsh_matrix(width))), want, tol=1e-5)
 

@@ -84,6 +84,12 @@ for label, source in arguments["sources"].items():
     entry["model_class"] = f"{type(model).__module__}.{type(model).__name__}"
     with torch.no_grad():
         np.save(out / f"{label}-torch-logits.npy", model(torch.tensor([ids])).logits.float().numpy())
+    # The shipped modeling file uses the attention interface, so transformers lets the kernel be switched.
+    entry["attn_before_switch"] = model.config._attn_implementation
+    model.set_attn_implementation("eager" if entry["attn_before_switch"] != "eager" else "sdpa")
+    entry["attn_after_switch"] = model.config._attn_implementation
+    with torch.no_grad():
+        np.save(out / f"{label}-switched-logits.npy", model(torch.tensor([ids])).logits.float().numpy())
     backbone = AutoModel.from_pretrained(source, trust_remote_code=True)
     entry["backbone_class"] = f"{type(backbone).__module__}.{type(backbone).__name__}"
     with torch.no_grad():
@@ -345,6 +351,16 @@ def test_remote_causal_lm_gives_the_package_logits(remote_runs, package_outputs,
     logits = run.array(source, "torch-logits")
     assert logits.shape == package_outputs["logits"].shape
     np.testing.assert_allclose(logits, package_outputs["logits"], atol=LOGIT_TOLERANCE, rtol=0)
+
+
+@pytest.mark.parametrize("source", SOURCES)
+@pytest.mark.parametrize("environment", ENVIRONMENTS)
+def test_remote_causal_lm_switches_its_attention_kernel(remote_runs, package_outputs, environment, source):
+    loaded = run_for(remote_runs, environment).source(source)
+
+    assert {loaded["attn_before_switch"], loaded["attn_after_switch"]} == {"eager", "sdpa"}
+    switched = run_for(remote_runs, environment).array(source, "switched-logits")
+    np.testing.assert_allclose(switched, package_outputs["logits"], atol=LOGIT_TOLERANCE, rtol=0)
 
 
 @pytest.mark.parametrize("source", SOURCES)

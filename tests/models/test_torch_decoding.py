@@ -150,7 +150,7 @@ def test_attention_probabilities_are_on_the_autograd_path(params):
 def test_every_attention_module_knows_its_cache_layer(model):
     indices = [layer.self_attn.layer_idx for layer in model.model.layers]
     assert indices == list(range(model.config.num_hidden_layers))
-    assert model._supports_attention_backend and model._supports_sdpa and model._supports_flex_attn
+    assert model._supports_sdpa and model._supports_flex_attn
 
 
 # --------------------------------------------------------------------------------------------------

@@ -1,24 +1,15 @@
 """Needle 2 in Flax for Hugging Face Transformers (4.57, the last release with Flax models).
 
-Axis letters in shape comments and einsum strings: the legend of `numerics.py` (B batch, T query
-positions, S key positions, D hidden, A attention width, N/K query/kv heads, G query heads per kv
-head, H head_dim, L lanes, C engram context, E engram width, W Hadamard width, P probes, V vocab).
+Axis letters in shape comments and einsum strings, the numerical choice of each op, the attention
+rule (padding rows attend to themselves only, the sliding window) and the names and argument orders
+of the helpers are those of `specification_needle`, which the PyTorch model follows too.
 
-Numerics (one choice per op, matching the reference):
-  * every RMS statistic is taken in float32; ZCRMSNorm returns `(1 + w) * x / sqrt(mean(x^2) + eps)`
-    cast to the compute dtype, with `1 + w` formed in the parameter dtype;
-  * projections run in the compute dtype (`dtype`); attention scores and softmax in float32, the
-    probabilities cast to the compute dtype before they weight the values;
-  * the Hadamard MLP's Walsh matrix is applied as its two Kronecker factors (`walsh_transform`),
-    equal to the full matmul up to float32 rounding;
-  * hyper-connection mixing, Sinkhorn routing and the engram gate run in float32; the lanes are
-    stored in the compute dtype between layers;
-  * logits are `float32(h) @ E^T`.
-
-Padding rows (positions the attention mask hides) attend to themselves only, as in the PyTorch
-model (`attention_allowed`): they see no visible key, and a row that sees nothing would otherwise
-spread its weight over every key, future and unwritten cache slots included. Real positions are
-unaffected (they see themselves anyway), so their outputs equal the reference's.
+Layout: the layers (attention, MLP, block, hyper-connections, engram), their collections, the
+backbone module, the MTP head and the causal-LM module, then the `FlaxPreTrainedModel` wrappers.
+Beside it: `ops_flax_needle` (norms, RoPE, Sinkhorn, Walsh transform, engram hash),
+`masking_flax_needle` (attention masks, packed sequences), `heads_flax_needle` (probe-pooling
+heads), `loading_flax_needle` (strict loading from PyTorch-layout safetensors), `cache_flax_needle`.
+Their public names are importable from here too.
 
 The cache (`init_cache`, a `cache` collection) holds, per layer, keys and values for every position
 up to `max_length`; for the engram memory, the last `config.engram_history` tokens with their
@@ -51,15 +42,12 @@ from .deploy_numerics_flax import (  # deploy numerics hooks
     quantize_kv,
     training_weights,
 )
+from .heads_flax_needle import FlaxNeedleConfidenceHead, FlaxNeedleContrastiveHead, probe_pool
+from .loading_flax_needle import SAFE_WEIGHTS_NAME, flax_params_to_hf, read_checked_weights
+from .masking_flax_needle import attention_allowed, packed_segment_ids, same_segment_back
 from .numerics import (
     ATTENTION_GATE_INIT,
-    CONFIDENCE_PROBES,
-    CONTRASTIVE_NORM_EPS,
-    CONTRASTIVE_PROBES,
-    CONTRASTIVE_TEMPERATURE_INIT,
     ENGRAM_FIRST_TAP_INIT,
-    ENGRAM_HASH_PRIME,
-    ENGRAM_HASH_SHIFT,
     FUSED_QKVG_PROJECTIONS,
     HADAMARD_DIAG_HIDDEN_INIT,
     HADAMARD_DIAG_IN_INIT,
@@ -67,24 +55,28 @@ from .numerics import (
     HYPER_CONNECTION_ALPHA_INIT,
     HYPER_CONNECTION_RES_BIAS_INIT,
     NORM_WEIGHT_INIT,
-    SINKHORN_ITERATIONS,
-    SINKHORN_LINEAR_SPACE_MAX_SPREAD,
-    TIED_WEIGHTS,
     engram_table_orders,
-    engram_table_seeds,
     hyper_connection_offsets,
     rope_inverse_frequencies,
-    walsh_factor_sizes,
-    walsh_matrix,
 )
-from .weight_names import (
-    HEAD_PREFIXES,
-    NeedleWeightsError,
-    check_tied_values,
-    check_weights,
-    hf_weight_shapes,
-    without_tied_aliases,
+from .ops_flax_needle import (
+    apply_rotary,
+    engram_hash_indices,
+    log_space_sinkhorn,
+    normal_initializer,
+    rms_unit,
+    rope_tables,
+    shift_right,
+    sinkhorn,
+    walsh_operand,
+    walsh_transform,
+    zero_centred_rms_norm,
 )
+from .specification_needle import NeedleWeightsError, check_positions, embedding_scale, prompt_ids_error
+
+# transformers copies only a model file's own relative imports out of a local folder
+# (trust_remote_code=True): the modules that the modules above import are named here too.
+from .weight_names import check_weights  # noqa: F401  (loading_flax_needle)
 
 
 @flax.struct.dataclass
@@ -93,153 +85,6 @@ class FlaxNeedleCausalLMOutput(FlaxCausalLMOutput):
 
     mtp_logits: Optional[jnp.ndarray] = None
     past_key_values: Optional[dict] = None
-
-
-def _normal(std: float):
-    return jax.nn.initializers.normal(stddev=std)
-
-
-# --------------------------------------------------------------------------------------------------
-# Shared math
-
-
-def zero_centred_rms_norm(x: jnp.ndarray, weight: jnp.ndarray, eps: float) -> jnp.ndarray:
-    """`(1 + weight) * x / sqrt(mean(x^2) + eps)` over the last axis, cast back to x's dtype.
-
-    The mean of squares is float32; `1 + weight` and its product with x are in the parameter/input
-    dtype before the float32 division, as in the reference.
-    """
-    xf = x.astype(jnp.float32)
-    rms = jnp.sqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return ((1 + weight) * x / rms).astype(x.dtype)
-
-
-def rms_unit(x: jnp.ndarray, eps: float) -> jnp.ndarray:
-    """x / rms(x) over the last axis, in float32, no gain."""
-    xf = x.astype(jnp.float32)
-    return xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-
-
-def _log_space_round(_, log_k):
-    log_k = log_k - jax.nn.logsumexp(log_k, axis=-1, keepdims=True)
-    return log_k - jax.nn.logsumexp(log_k, axis=-2, keepdims=True)
-
-
-def _linear_space_round(_, k):
-    # Sums over the (static, small) lane axes as explicit adds of slices: elementwise only, so XLA
-    # fuses a whole round into one loop, where reductions would each be a kernel of their own.
-    n = k.shape[-1]
-    k = k / sum(k[..., :, j : j + 1] for j in range(n))
-    return k / sum(k[..., i : i + 1, :] for i in range(n))
-
-
-def log_space_sinkhorn(logits: jnp.ndarray) -> jnp.ndarray:
-    """The reference's Sinkhorn of [..., L, L] float32 logits: `SINKHORN_ITERATIONS` rounds that
-    subtract the logsumexp over rows, then over columns; the result is exp of the final logits."""
-    return jnp.exp(jax.lax.fori_loop(0, SINKHORN_ITERATIONS, _log_space_round, logits))
-
-
-def sinkhorn(logits: jnp.ndarray) -> jnp.ndarray:
-    """Doubly-stochastic routing [..., L, L] from float32 logits: the reference's log-space Sinkhorn
-    (subtract the logsumexp over rows, then over columns, `SINKHORN_ITERATIONS` rounds, then exp).
-
-    Computed in linear space, the same in exact arithmetic: subtracting a row's logsumexp is dividing
-    `exp(logits)` by the row's sum. A round is then one fused loop instead of about a dozen kernels,
-    which is most of a decoding step's lane-mixing cost. Logits spread wider than
-    `SINKHORN_LINEAR_SPACE_MAX_SPREAD` (where linear space could underflow) take the log-space path.
-    """
-    shifted = logits - jnp.max(logits, axis=(-2, -1), keepdims=True)  # each matrix's largest logit at 0
-    return jax.lax.cond(
-        jnp.min(shifted, initial=0.0) < -SINKHORN_LINEAR_SPACE_MAX_SPREAD,
-        lambda: log_space_sinkhorn(logits),
-        lambda: jax.lax.fori_loop(0, SINKHORN_ITERATIONS, _linear_space_round, jnp.exp(shifted)),
-    )
-
-
-def apply_rotary(x: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray) -> jnp.ndarray:
-    """Half-split RoPE `[x1 cos - x2 sin, x2 cos + x1 sin]`. x [B, T, heads, H]; cos/sin [B, T, H/2] float32."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    cos, sin = cos[:, :, None, :], sin[:, :, None, :]
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
-
-
-def rope_tables(position_ids: jnp.ndarray, head_dim: int, theta: float) -> tuple[jnp.ndarray, jnp.ndarray]:
-    """cos/sin [B, T, H/2] float32 for integer positions [B, T]."""
-    angles = position_ids.astype(jnp.float32)[..., None] * jnp.asarray(rope_inverse_frequencies(head_dim, theta))
-    return jnp.cos(angles), jnp.sin(angles)
-
-
-def shift_right(x: jnp.ndarray, offset: int, fill=0) -> jnp.ndarray:
-    """x[:, t - offset] along axis 1, `fill` before the start."""
-    if offset == 0:
-        return x
-    pad = [(0, 0)] * x.ndim
-    pad[1] = (offset, 0)
-    return jnp.pad(x, pad, constant_values=fill)[:, : x.shape[1]]
-
-
-def packed_segment_ids(position_ids: jnp.ndarray) -> jnp.ndarray:
-    """Sequence index [B, T] of each token of a row that packs sequences: a position that is not its
-    predecessor's plus one starts a sequence (transformers' and TRL's convention; torch twin:
-    `modeling_needle.packed_segment_ids`). A row of consecutive positions is one sequence."""
-    starts = jnp.concatenate(
-        [jnp.ones_like(position_ids[:, :1], dtype=jnp.bool_), position_ids[:, 1:] != position_ids[:, :-1] + 1], axis=1
-    )
-    return jnp.cumsum(starts.astype(jnp.int32), axis=1) - 1
-
-
-def same_segment_back(segment_ids: Optional[jnp.ndarray], offset: int) -> Optional[jnp.ndarray]:
-    """[B, T] bool: position t - offset lies in t's sequence (None without segments)."""
-    if segment_ids is None:
-        return None
-    return shift_right(segment_ids, offset, fill=-1) == segment_ids
-
-
-def engram_hash_indices(tokens: jnp.ndarray, orders, num_heads: int, slots: int) -> jnp.ndarray:
-    """Hash-table rows [B, C, tables] for token ids [B, C] (uint32 FNV-style n-gram hash)."""
-    tokens = tokens.astype(jnp.uint32)
-    rows = []
-    for seed, order in zip(engram_table_seeds(len(orders), num_heads), engram_table_orders(orders, num_heads)):
-        acc = jnp.full_like(tokens, jnp.uint32(seed))
-        for j in range(order):
-            acc = (acc ^ shift_right(tokens, j)) * jnp.uint32(ENGRAM_HASH_PRIME)
-        acc = acc ^ (acc >> jnp.uint32(ENGRAM_HASH_SHIFT))
-        rows.append((acc % jnp.uint32(slots)).astype(jnp.int32))
-    return jnp.stack(rows, axis=-1)
-
-
-def attention_allowed(key_visible: jnp.ndarray, past_length, query_length: int, *, window: int = 0) -> jnp.ndarray:
-    """Boolean attention mask [B, T, S]: causal, restricted to visible keys, and always the query itself.
-
-    With ``window = n > 0`` a query sees only the last ``n`` key slots (`config.attention_window`,
-    see `kv_window.py`).
-
-    key_visible [B, S] (True = real token; S = cache length when decoding); the T queries sit at
-    positions past_length .. past_length + T - 1 (past_length may be traced). A query attending to
-    itself keeps padding rows (which see no visible key) finite and independent of other positions.
-    """
-    query_positions = past_length + jnp.arange(query_length)  # [T]
-    key_positions = jnp.arange(key_visible.shape[1])  # [S]
-    causal = key_positions[None, :] <= query_positions[:, None]  # [T, S]
-    if window > 0:
-        causal = causal & (query_positions[:, None] - key_positions[None, :] < window)
-    itself = key_positions[None, :] == query_positions[:, None]  # [T, S]
-    return (causal[None] & key_visible.astype(jnp.bool_)[:, None, :]) | itself[None]
-
-
-def probe_pool(cells: jnp.ndarray, keep: jnp.ndarray, probes: jnp.ndarray) -> jnp.ndarray:
-    """Attention pooling of every (position, layer) cell by learned probes, in float32.
-
-    cells [B, T, L + 1, D]; keep [B, T] bool (real tokens); probes [P, D] -> [B, P * D] float32.
-    The softmax runs over all T * (L + 1) cells (axis F), position-major.
-    """
-    b, t, depth, d = cells.shape
-    flat = cells.reshape(b, t * depth, d).astype(jnp.float32)  # [B, F, D]
-    keep = jnp.repeat(keep.astype(jnp.bool_), depth, axis=1)  # [B, F], position-major like the cells
-    scores = jnp.einsum("bfd,pd->bpf", flat, probes.astype(jnp.float32)) / math.sqrt(d)
-    weights = jax.nn.softmax(jnp.where(keep[:, None, :], scores, -jnp.inf), axis=-1)
-    return jnp.einsum("bpf,bfd->bpd", weights, flat).reshape(b, -1)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -274,7 +119,7 @@ class FlaxNeedleLinear(nn.Module):
     init_std: float = 0.02
 
     def setup(self):
-        self.kernel = self.param("kernel", _normal(self.init_std), (self.in_features, self.out_features))
+        self.kernel = self.param("kernel", normal_initializer(self.init_std), (self.in_features, self.out_features))
 
     def has_adapter(self) -> bool:
         """Whether a LoRA adapter is applied beside the kernel."""
@@ -401,16 +246,6 @@ class FlaxNeedleAttention(nn.Module):
         return self.o_proj(out), kv_cache, weights
 
 
-def walsh_transform(z: jnp.ndarray) -> jnp.ndarray:
-    """`z @ walsh_matrix(n)` over the last axis (n a power of two), as two small matmuls over its
-    Kronecker factors (`numerics.walsh_factor_sizes`)."""
-    n = z.shape[-1]
-    a, b = walsh_factor_sizes(n)
-    walsh_a, walsh_b = (jnp.asarray(walsh_matrix(m), z.dtype) for m in (a, b))
-    z = z.reshape(*z.shape[:-1], a, b) @ walsh_b  # [..., a, b]
-    return (walsh_a @ z).reshape(*z.shape[:-2], n)  # W_a is symmetric: W_a^T Z = W_a Z
-
-
 class FlaxNeedleHadamardMLP(nn.Module):
     """`(diag_out * silu(diag_hidden * (diag_in * x) W) W)[:D]` with W the orthonormal Walsh matrix."""
 
@@ -424,8 +259,9 @@ class FlaxNeedleHadamardMLP(nn.Module):
         diag_hidden = self.param("diag_hidden", nn.initializers.constant(HADAMARD_DIAG_HIDDEN_INIT), (n,)).astype(self.dtype)
         diag_out = self.param("diag_out", nn.initializers.constant(HADAMARD_DIAG_OUT_INIT), (n,)).astype(self.dtype)
         z = jnp.pad(x, ((0, 0), (0, 0), (0, n - d))) if n > d else x
-        z = walsh_transform(diag_in * z)
-        z = walsh_transform(nn.silu(diag_hidden * z))
+        walsh = walsh_operand(self.config, z.dtype)
+        z = walsh_transform(diag_in * z, walsh)
+        z = walsh_transform(nn.silu(diag_hidden * z), walsh)
         return (diag_out * z)[..., :d]
 
 
@@ -539,11 +375,11 @@ class FlaxNeedleEngram(nn.Module):
     def setup(self):
         cfg = self.config
         self.tables = self.param(
-            "tables", _normal(cfg.initializer_range), (cfg.engram_num_tables, cfg.engram_slots, cfg.engram_sub_dim)
+            "tables", normal_initializer(cfg.initializer_range), (cfg.engram_num_tables, cfg.engram_slots, cfg.engram_sub_dim)
         )
         dense = partial(nn.Dense, cfg.hidden_size, use_bias=False, dtype=self.dtype)
-        self.key_proj = dense(kernel_init=_normal(cfg.initializer_range))
-        self.value_proj = dense(kernel_init=_normal(cfg.initializer_range / math.sqrt(2 * cfg.num_hidden_layers)))
+        self.key_proj = dense(kernel_init=normal_initializer(cfg.initializer_range))
+        self.value_proj = dense(kernel_init=normal_initializer(cfg.initializer_range / math.sqrt(2 * cfg.num_hidden_layers)))
         self.conv_taps = self.param(
             "conv_taps", lambda key, shape: jnp.zeros(shape).at[0].set(ENGRAM_FIRST_TAP_INIT), (cfg.engram_conv_taps, cfg.hidden_size)
         )
@@ -772,15 +608,15 @@ class FlaxNeedleModule(nn.Module):
 
     def setup(self):
         cfg = self.config
-        self.embed_tokens = nn.Embed(cfg.vocab_size, cfg.hidden_size, embedding_init=_normal(cfg.initializer_range))
+        self.embed_tokens = nn.Embed(cfg.vocab_size, cfg.hidden_size, embedding_init=normal_initializer(cfg.initializer_range))
         self.layers = FlaxNeedleLayerCollection(cfg, dtype=self.dtype, gradient_checkpointing=self.gradient_checkpointing)
         self.engrams = FlaxNeedleEngramCollection(cfg, dtype=self.dtype) if cfg.engram_layers else None
         self.norm = FlaxNeedleRMSNorm(cfg, dtype=self.dtype)
         self.decode_state = FlaxNeedleDecodeState(cfg)
 
     def embed(self, input_ids):
-        """Token embedding scaled by sqrt(D), in the parameter dtype. [B, T] -> [B, T, D]."""
-        return self.embed_tokens(input_ids) * math.sqrt(self.config.hidden_size)
+        """Float32 ``E[tokens] * sqrt(D)`` [B, T] -> [B, T, D] (`specification_needle.embedding_scale`)."""
+        return self.embed_tokens(input_ids).astype(jnp.float32) * embedding_scale(self.config.hidden_size)
 
     def _engram_memory(self, context_tokens, context_valid, new_tokens: int, init_cache: bool, segment_ids=None):
         """(keys, values) [sites, B, new_tokens, D] for the last `new_tokens` of the context [B, C].
@@ -833,9 +669,9 @@ class FlaxNeedleModule(nn.Module):
             if cache_index is not None or init_cache:
                 raise ValueError("segment_ids describe packed sequences of a whole batch: not with a cache")
             key_mask = key_mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
-        cos, sin = rope_tables(position_ids, cfg.head_dim, cfg.rope_theta)
+        cos, sin = rope_tables(position_ids, rope_inverse_frequencies(cfg.head_dim, cfg.rope_theta))
 
-        x0 = self.embed(input_ids)  # [B, T, D], parameter dtype
+        x0 = self.embed(input_ids)  # [B, T, D] float32
         memory = self._engram_memory(context_tokens, context_valid, t, init_cache, segment_ids)
         lanes = jnp.broadcast_to(x0.astype(self.dtype)[:, :, None, :], (b, t, cfg.hyper_connection_lanes, cfg.hidden_size))
         lanes, lane_means, attentions = self.layers(
@@ -858,7 +694,7 @@ class FlaxNeedleMTPHead(nn.Module):
     def setup(self):
         cfg = self.config
         self.embed_norm = FlaxNeedleRMSNorm(cfg, dtype=self.dtype)
-        self.combine_proj = nn.Dense(cfg.hidden_size, use_bias=False, dtype=self.dtype, kernel_init=_normal(cfg.initializer_range))
+        self.combine_proj = nn.Dense(cfg.hidden_size, use_bias=False, dtype=self.dtype, kernel_init=normal_initializer(cfg.initializer_range))
         self.block = FlaxNeedleBlock(cfg, dtype=self.dtype)
         self.norm = FlaxNeedleRMSNorm(cfg, dtype=self.dtype)
 
@@ -868,45 +704,11 @@ class FlaxNeedleMTPHead(nn.Module):
 
     def cached(self, hidden, next_token_embeddings, cos, sin, key_mask, *, kv_cache: Optional[LayerKVCache]):
         """As `__call__`, the block attending over its own cache (MTP decoding) -> ([B, T, D], kv_cache)."""
-        combined = jnp.concatenate([hidden, self.embed_norm(next_token_embeddings)], axis=-1)
+        combined = jnp.concatenate([hidden, self.embed_norm(next_token_embeddings).astype(hidden.dtype)], axis=-1)
         combined = quantize_activations(combined, self.config)  # deploy numerics hook
         m = self.combine_proj(combined)
         out, kv_cache, _ = self.block.block(m, cos, sin, key_mask, kv_cache=kv_cache)
         return self.norm(out), kv_cache
-
-
-class FlaxNeedleContrastiveHead(nn.Module):
-    """Tool-retrieval embedding: probe pooling, a projection, L2 normalisation, plus a learned log-temperature."""
-
-    config: NeedleConfig
-    dtype: jnp.dtype = jnp.float32
-
-    @nn.compact
-    def __call__(self, cells, keep):
-        """-> (unit-norm embedding [B, contrastive_dim], log_temperature scalar)."""
-        cfg = self.config
-        probes = self.param("probes", _normal(cfg.initializer_range), (CONTRASTIVE_PROBES, cfg.hidden_size))
-        pooled = probe_pool(cells, keep, probes).astype(self.dtype)
-        p = nn.Dense(cfg.contrastive_dim, use_bias=False, dtype=self.dtype, kernel_init=_normal(cfg.initializer_range), name="proj")(pooled)
-        log_temperature = self.param("log_temperature", nn.initializers.constant(math.log(CONTRASTIVE_TEMPERATURE_INIT)), ())
-        norm = jnp.sqrt(jnp.sum(p.astype(jnp.float32) ** 2, axis=-1, keepdims=True) + CONTRASTIVE_NORM_EPS)
-        return p / norm.astype(p.dtype), log_temperature
-
-
-class FlaxNeedleConfidenceHead(nn.Module):
-    """Answer-confidence logit: probe pooling and an affine map to one float32 logit per sequence."""
-
-    config: NeedleConfig
-    dtype: jnp.dtype = jnp.float32
-
-    @nn.compact
-    def __call__(self, cells, keep):
-        """-> confidence logit [B] float32."""
-        cfg = self.config
-        probes = self.param("probes", _normal(cfg.initializer_range), (CONFIDENCE_PROBES, cfg.hidden_size))
-        pooled = probe_pool(cells, keep, probes).astype(self.dtype)
-        logit = nn.Dense(1, use_bias=True, dtype=self.dtype, kernel_init=_normal(cfg.initializer_range), name="proj")(pooled)
-        return logit[..., 0].astype(jnp.float32)
 
 
 class FlaxNeedleForCausalLMModule(nn.Module):
@@ -967,7 +769,7 @@ class FlaxNeedleForCausalLMModule(nn.Module):
             raise ValueError("MTP logits are computed on a full sequence, not while decoding with a cache")
         cfg = self.config
         next_ids = jnp.pad(input_ids[:, 1:], ((0, 0), (0, 1)))
-        cos, sin = rope_tables(position_ids, cfg.head_dim, cfg.rope_theta)
+        cos, sin = rope_tables(position_ids, rope_inverse_frequencies(cfg.head_dim, cfg.rope_theta))
         key_mask = attention_allowed(attention_mask, 0, input_ids.shape[1], window=self.config.attention_window)
         if segment_ids is not None:
             key_mask = key_mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
@@ -985,7 +787,7 @@ class FlaxNeedleForCausalLMModule(nn.Module):
         MTP block over its own cache: hidden [B, T, D] and the ids of the tokens after them [B, T];
         attention_mask [B, S]. -> (logits, kv_cache)."""
         cfg = self.config
-        cos, sin = rope_tables(position_ids, cfg.head_dim, cfg.rope_theta)
+        cos, sin = rope_tables(position_ids, rope_inverse_frequencies(cfg.head_dim, cfg.rope_theta))
         key_mask = attention_allowed(attention_mask, kv_cache.write_index, next_ids.shape[1], window=cfg.attention_window)
         predicted, kv_cache = self.mtp.cached(hidden, self.model.embed(next_ids), cos, sin, key_mask, kv_cache=kv_cache)
         return self.tied_logits(jax.lax.dynamic_index_in_dim(predicted, pick, axis=1, keepdims=False)), kv_cache
@@ -1019,82 +821,6 @@ class FlaxNeedleForCausalLMModule(nn.Module):
 
 # --------------------------------------------------------------------------------------------------
 # HF wrappers
-
-
-SAFE_WEIGHTS_NAME = "model.safetensors"
-
-
-def _hf_name(flax_path: tuple[str, ...], prefix: str) -> tuple[str, bool]:
-    """(HF tensor name, whether the tensor is the transpose) of a Flax parameter path.
-
-    Flax names follow the HF module tree; only the leaf differs: a Dense `kernel` [in, out] is the
-    transposed PyTorch `weight` [out, in], and the token embedding's `embedding` is its `weight`.
-    """
-    *modules, leaf = flax_path
-    if leaf in ("kernel", "embedding"):
-        return prefix + ".".join((*modules, "weight")), leaf == "kernel"
-    return prefix + ".".join(flax_path), False
-
-
-def _flax_path(hf_name: str, ndim: int, prefix: str) -> tuple[tuple[str, ...], bool]:
-    """Inverse of `_hf_name`: every 2-D `weight` of the table is a Dense kernel but the embedding's."""
-    *modules, leaf = hf_name[len(prefix):].split(".")
-    if leaf == "weight" and ndim == 2:
-        is_embedding = modules[-1:] == ["embed_tokens"]
-        return (*modules, "embedding" if is_embedding else "kernel"), not is_embedding
-    return (*modules, leaf), False
-
-
-def flax_params_to_hf(params, config: NeedleConfig, *, prefix: str = "") -> dict[str, np.ndarray]:
-    """Flax parameters -> HF-named PyTorch-layout numpy tensors (Dense kernels transposed).
-
-    `prefix` is prepended to every name ("model." for the bare backbone). The result is checked
-    against the weight-name table, so a layout drift raises instead of writing a bad file.
-    """
-    tensors = {}
-    for path, leaf in flatten_dict(unfreeze(params)).items():
-        name, transposed = _hf_name(path, prefix)
-        leaf = np.asarray(leaf.T if transposed else leaf)
-        tensors[name] = np.ascontiguousarray(leaf) if leaf.ndim else leaf
-    check_weights(
-        {k: v.shape for k, v in tensors.items()}, hf_weight_shapes(config, prefix=prefix), where="model parameters"
-    )
-    return tensors
-
-
-def _read_checked_weights(weights: str, config: NeedleConfig, *, prefix: str) -> dict:
-    """The Flax parameter tree of a PyTorch-layout safetensors file, after checking every name and shape.
-
-    The bare backbone (`prefix` "model.") reads the backbone of a causal-LM file and leaves its heads.
-    """
-    from safetensors import safe_open
-
-    with safe_open(weights, framework="flax") as handle:
-        layout = (handle.metadata() or {}).get("format")
-        if layout != "pt":
-            raise NeedleWeightsError(
-                f"{weights}: expected PyTorch-layout safetensors (metadata format 'pt'), found format {layout!r}"
-            )
-        stored = set(handle.keys())
-        # A tied alias (`lm_head.weight`, written by a tool that stores tied tensors twice) names the
-        # embedding again: checked equal to it, then left unread.
-        if stored & TIED_WEIGHTS.keys():
-            pairs = [name for name in (*TIED_WEIGHTS, *TIED_WEIGHTS.values()) if name in stored]
-            check_tied_values({name: np.asarray(handle.get_tensor(name)) for name in pairs}, where=weights)
-        found = without_tied_aliases({name: tuple(handle.get_slice(name).get_shape()) for name in stored})
-        check_weights(
-            found,
-            hf_weight_shapes(config, prefix=prefix),
-            where=weights,
-            ignore_unexpected_prefixes=HEAD_PREFIXES if prefix else (),
-        )
-        params = {}
-        for name, shape in found.items():
-            if name.startswith(prefix):
-                path, transposed = _flax_path(name, len(shape), prefix)
-                tensor = handle.get_tensor(name)
-                params[path] = tensor.T if transposed else tensor
-    return unflatten_dict(params)
 
 
 _FLOAT_DTYPES = ("float32", "bfloat16", "float16")
@@ -1318,7 +1044,7 @@ class FlaxNeedlePreTrainedModel(FlaxPreTrainedModel):
                 "(neither loading options nor NeedleConfig fields)"
             )
         weights = cached_file(pretrained_model_name_or_path, SAFE_WEIGHTS_NAME, **hub_kwargs)
-        params = _read_checked_weights(weights, config, prefix=cls._weights_prefix)
+        params = read_checked_weights(weights, config, prefix=cls._weights_prefix)
         model = cls(
             config, input_shape=input_shape, seed=seed, dtype=dtype, _do_init=_do_init,
             gradient_checkpointing=gradient_checkpointing, _loaded_params=params,
@@ -1350,10 +1076,8 @@ class FlaxNeedlePreTrainedModel(FlaxPreTrainedModel):
             if past_key_values is not None:
                 raise ValueError("pass `position_ids` when decoding with `past_key_values`")
             position_ids = jnp.clip(jnp.cumsum(attention_mask, axis=-1) - 1, 0)
-        if past_key_values is None and t > self.config.max_position_embeddings:
-            raise ValueError(
-                f"sequence of {t} tokens exceeds max_position_embeddings={self.config.max_position_embeddings}"
-            )
+        if past_key_values is None:
+            check_positions(t, self.config.max_position_embeddings)
         return input_ids, jnp.asarray(attention_mask, "i4"), jnp.asarray(position_ids, "i4")
 
     def __call__(
@@ -1439,23 +1163,25 @@ class FlaxNeedleModel(FlaxNeedlePreTrainedModel):
 
 
 
-def _check_prompt_ids(input_ids, vocab_size: int) -> None:
-    """`generate`'s prompt: integer ids [B, T] in [0, vocab_size) (the range is checked on concrete values only,
-    not on a jit tracer)."""
+def check_prompt_ids(input_ids, vocab_size: int) -> None:
+    """`generate`'s prompt: integer ids [B, T] in [0, vocab_size) (`prompt_ids_error`; the range is
+    checked on concrete values only, not on a jit tracer)."""
     if not (hasattr(input_ids, "shape") and hasattr(input_ids, "dtype")):
         try:
             input_ids = np.asarray(input_ids)
         except ValueError:
             input_ids = np.asarray(0.0)  # ragged: refused below
-    if len(input_ids.shape) != 2 or not jnp.issubdtype(input_ids.dtype, jnp.integer):
-        raise ValueError(f"input_ids: expected integer ids [batch, tokens], found {input_ids.dtype} of shape "
-                         f"{tuple(input_ids.shape)}")
-    if isinstance(input_ids, jax.core.Tracer) or not input_ids.size:
-        return
-    values = np.asarray(input_ids)
-    if values.min() < 0 or values.max() >= vocab_size:
-        raise ValueError(f"input_ids: expected ids in [0, {vocab_size}) (config.vocab_size), "
-                         f"found {values.min()}..{values.max()}")
+    integer_matrix = len(input_ids.shape) == 2 and jnp.issubdtype(input_ids.dtype, jnp.integer)
+    concrete = integer_matrix and not isinstance(input_ids, jax.core.Tracer) and input_ids.size
+    values = np.asarray(input_ids) if concrete else None
+    error = prompt_ids_error(
+        integer_matrix=integer_matrix,
+        found=f"{input_ids.dtype} of shape {tuple(input_ids.shape)}",
+        bounds=(int(values.min()), int(values.max())) if concrete else None,
+        vocab_size=vocab_size,
+    )
+    if error is not None:
+        raise error
 
 class FlaxNeedleForCausalLM(FlaxNeedlePreTrainedModel):
     """Needle 2 with its tied language-model head, the MTP head and (when present) the pooling heads."""
@@ -1464,11 +1190,7 @@ class FlaxNeedleForCausalLM(FlaxNeedlePreTrainedModel):
 
     def prepare_inputs_for_generation(self, input_ids, max_length, attention_mask: Optional[jax.Array] = None):
         batch_size, prompt_length = input_ids.shape
-        if max_length > self.config.max_position_embeddings:
-            raise ValueError(
-                f"prompt ({prompt_length} tokens) plus new tokens reach {max_length} positions, more than "
-                f"max_position_embeddings={self.config.max_position_embeddings}; shorten the prompt or max_new_tokens"
-            )
+        check_positions(max_length, self.config.max_position_embeddings)
         past_key_values = self.init_cache(batch_size, max_length)
         extended_mask = jnp.ones((batch_size, max_length), dtype="i4")
         if attention_mask is not None:
@@ -1493,7 +1215,7 @@ class FlaxNeedleForCausalLM(FlaxNeedlePreTrainedModel):
         Either way the layers run on `with_decoding_kernels` of the params (q, k, v and gate kernels
         concatenated once per call, one matmul per decoding step)."""
         use_mtp = pop_mtp_option(kwargs, generation_config if generation_config is not None else self.generation_config)
-        _check_prompt_ids(input_ids, self.config.vocab_size)
+        check_prompt_ids(input_ids, self.config.vocab_size)
         params = with_decoding_kernels(params if params is not None else self.params, self.config)
         if not use_mtp:
             return super().generate(input_ids, generation_config, prng_key, trace, params, logits_processor, **kwargs)

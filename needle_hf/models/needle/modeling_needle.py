@@ -19,16 +19,21 @@ Optional parts: the multi-token-prediction head (``mtp_logits[t]`` predicts toke
 probe-pooling heads of tool retrieval (contrastive) and answer confidence.
 
 Numerics follow the reference: norms, hyper-connection routing and engram gates run in float32 and
-cast back to the compute dtype (the dtype of the parameters), logits are float32.
+cast back to the compute dtype (the dtype of the parameters), logits are float32. The axis letters,
+each op's numerical choice, the attention rule and the helper names and argument orders are those of
+`specification_needle`, which the Flax model follows too.
 
 This file ships as remote code next to saved weights, so it imports only flat relative modules of
-its folder (configuration, numerics, weight table, deploy numerics, cache, compiled decoding,
-speculative decoding) and nothing from jax.
+its folder and nothing from jax.
 
-Layout: numerical building blocks, then the layers (attention, MLP, block, hyper-connections,
-engram, heads), then `NeedlePreTrainedModel`, the backbone `NeedleModel` and `NeedleForCausalLM`.
-The KV cache (its names across transformers versions, the engram state) is `cache_needle`; the
-compiled static-cache decoding engine is `compiled_decoding_needle`.
+Layout: the attention kernel and the per-call step inputs, then the layers (attention, MLP, block,
+hyper-connections, engram, MTP head), then `NeedlePreTrainedModel`, the backbone `NeedleModel` and
+`NeedleForCausalLM`. Beside it: `ops_needle` (norms, RoPE, Sinkhorn, Walsh transform, engram hash),
+`masking_needle` (attention masks, packed sequences, engram lookback), `heads_needle` (tied logits,
+probe-pooling heads), `generation_needle` (`generate` and its checks), `loading_needle` (strict
+loading), `cache_needle` (the KV cache and engram state across transformers versions),
+`compiled_decoding_needle` (the compiled static-cache decoding step). Their public names are
+importable from here too.
 
 Version notes (transformers 4.57 and 5.x):
 - The cache's name (``past_key_values`` / ``cache``): see `cache_needle`.
@@ -42,18 +47,14 @@ Version notes (transformers 4.57 and 5.x):
 
 from __future__ import annotations
 
-import copy
 import math
-import os
 from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
-import numpy as np
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
 from torch import nn
-from transformers import DynamicCache, GenerationMixin, PreTrainedModel
+from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
@@ -69,7 +70,7 @@ from .cache_needle import (
     merge_cache_arguments,
     static_cache_length,
 )
-from .compiled_decoding_needle import LayerCompiledCall, NeedleCompiledParts
+from .compiled_decoding_needle import NeedleCompiledParts
 from .configuration_needle import NeedleConfig
 from .deploy_numerics import (  # deploy numerics hooks
     forward_on_training_weights,
@@ -77,40 +78,63 @@ from .deploy_numerics import (  # deploy numerics hooks
     quantize_kv,
     training_weights,
 )
+from .loading_needle import fill_tied_alias, raise_unless_exact
+from .masking_needle import (
+    PackedLayout,
+    attention_allowed,
+    attention_sees_from_4d,
+    check_engram_lookback,
+    default_position_ids,
+    engram_lookback,
+    flex_block_mask,
+    packed_lookback,
+    packed_segment_ids,
+    segment_ids_from_cu_seq_lens,
+)
 from .numerics import (
     ATTENTION_GATE_INIT,
-    CONFIDENCE_PROBES,
-    CONTRASTIVE_NORM_EPS,
-    CONTRASTIVE_PROBES,
     CONTRASTIVE_TEMPERATURE_INIT,
     ENGRAM_FIRST_TAP_INIT,
-    ENGRAM_HASH_PRIME,
-    ENGRAM_HASH_SHIFT,
     HADAMARD_DIAG_HIDDEN_INIT,
     HADAMARD_DIAG_IN_INIT,
     HADAMARD_DIAG_OUT_INIT,
     HYPER_CONNECTION_ALPHA_INIT,
     HYPER_CONNECTION_RES_BIAS_INIT,
     NORM_WEIGHT_INIT,
-    SINKHORN_ITERATIONS,
-    SINKHORN_LINEAR_SPACE_MAX_SPREAD,
     TIED_WEIGHTS,
-    UINT32_MASK,
     engram_table_orders,
-    engram_table_seeds,
-    hyper_connection_offsets,
-    rope_inverse_frequencies,
-    walsh_factor_sizes,
-    walsh_matrix,
 )
-from .mtp_option import pop_mtp_option
-from .speculative import mtp_generate, trim_to_max_length
-from .weight_names import NeedleWeightsError  # the one exception of both twins' strict loading
+from .ops_needle import (
+    apply_rotary,
+    architecture_constant,
+    engram_hash_indices,
+    lane_mean,
+    log_space_sinkhorn,
+    rms_unit,
+    rope_tables,
+    shift_right,
+    sinkhorn,
+    walsh_operand,
+    walsh_transform,
+    zero_centred_rms_norm,
+)
+from .generation_needle import NeedleGenerationMixin, check_prompt_ids
+from .heads_needle import NeedleConfidenceHead, NeedleContrastiveHead, probe_pool, tied_logits
+from .specification_needle import (
+    NeedleWeightsError,  # the one exception of both twins' strict loading
+    attention_window_option,
+    embedding_scale,
+)
 
-# deploy_numerics reads the QAT widths from the weight table. Imported here too because transformers
-# copies only a model file's own relative imports out of a local folder (trust_remote_code=True).
-from .weight_names import cq_weight_bits  # noqa: F401
+# transformers copies only a model file's own relative imports out of a local folder
+# (trust_remote_code=True): the modules that the modules above import are named here too.
+from .mtp_option import pop_mtp_option  # noqa: F401  (generation_needle)
+from .speculative import mtp_generate  # noqa: F401  (generation_needle)
+from .weight_names import cq_weight_bits  # noqa: F401  (deploy_numerics reads the QAT widths)
 
+
+# transformers 5.x looks attention functions up with a default (`get_interface`); 4.57 indexes them.
+_ATTENTION_INTERFACE_LOOKUP = hasattr(ALL_ATTENTION_FUNCTIONS, "get_interface")
 
 # Tied weights as the installed transformers spells them: 5.x maps each tied name to its source,
 # 4.57 lists the names it ties to `get_input_embeddings()`.
@@ -121,362 +145,6 @@ _TIED_WEIGHTS_KEYS = (
 
 # --------------------------------------------------------------------------------------------------
 # Numerical building blocks
-
-
-def zero_centred_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``(1 + weight) * x / sqrt(mean(x^2) + eps)`` over the last axis, cast back to ``x``'s dtype.
-
-    The mean of squares is float32; ``1 + weight`` and its product with ``x`` happen in the
-    parameter/input dtype before the float32 division, as in the reference (this matters for fp16
-    checkpoints).
-    """
-    x_f32 = x.float()
-    rms = torch.sqrt((x_f32 * x_f32).mean(dim=-1, keepdim=True) + eps)  # x * x: pow(2) bit for bit, cheaper
-    return (((1 + weight) * x) / rms).to(x.dtype)
-
-
-def rms_unit(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """Float32 ``x / sqrt(mean(x^2) + eps)`` over the last axis, no gain."""
-    x = x.float()
-    return x * torch.rsqrt((x * x).mean(dim=-1, keepdim=True) + eps)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Half-split RoPE: ``[x1 cos - x2 sin, x2 cos + x1 sin]``, computed in float32.
-
-    Written as ``x * cos + [-x2, x1] * sin`` with each table repeated over both halves: the same
-    products and sums, bit for bit (negation is exact), in 5 tensor ops instead of 8.
-    x: [B, heads, S, head_dim]; cos, sin: [B, 1, S, head_dim] float32 (each half the same).
-    """
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return (x * cos + rotated * sin).to(x.dtype)
-
-
-def rotary_tables(positions: torch.Tensor, inverse_frequencies: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Float32 RoPE ``cos, sin`` [..., hd] of integer ``positions`` [...], each half the same (see `apply_rotary`)."""
-    angles = positions.float()[..., None] * inverse_frequencies  # [..., hd/2]
-    angles = torch.cat([angles, angles], dim=-1)
-    return torch.cos(angles), torch.sin(angles)
-
-
-def shift_right(x: torch.Tensor, offset: int) -> torch.Tensor:
-    """``x[:, t - offset]`` along axis 1, zero (False) where ``t < offset``."""
-    if offset == 0:
-        return x
-    filler = torch.zeros_like(x[:, :offset])
-    return torch.cat([filler, x[:, : max(x.shape[1] - offset, 0)]], dim=1)[:, : x.shape[1]]
-
-
-def log_space_sinkhorn(logits: torch.Tensor, iterations: int = SINKHORN_ITERATIONS) -> torch.Tensor:
-    """Sinkhorn normalisation of [..., n, n] float32 logits as the reference states it: each round
-    subtracts the logsumexp over rows, then over columns; the result is ``exp`` of the final logits."""
-    log_k = logits
-    for _ in range(iterations):
-        log_k = log_k - torch.logsumexp(log_k, dim=-1, keepdim=True)
-        log_k = log_k - torch.logsumexp(log_k, dim=-2, keepdim=True)
-    return torch.exp(log_k)
-
-
-def sinkhorn(logits: torch.Tensor, iterations: int = SINKHORN_ITERATIONS) -> torch.Tensor:
-    """Doubly-stochastic [..., n, n] float32 matrices: `log_space_sinkhorn`, computed in linear space.
-
-    Subtracting a row's logsumexp from its logits is dividing ``exp(logits)`` by the row's sum, so
-    ``k = exp(logits - max)`` normalised by row sums, then column sums, per round, is the same
-    computation in exact arithmetic. It takes 2 tensor ops per half-round instead of about 9 (a
-    logsumexp is max, subtract, exp, sum, log, add, with infinity guards); the routing matrices are
-    tiny ([B, S, 4, 4], 20 rounds in each of 27 layers), so op count is all their cost in decoding.
-
-    Linear space could underflow where one matrix's logits spread far (see
-    ``SINKHORN_LINEAR_SPACE_MAX_SPREAD``); such matrices take the log-space result. Run eagerly, the
-    spread is read back to the host and log space is computed only when some matrix needs it; in a
-    traced graph (`torch.compile`, `torch.export`) both are computed and `torch.where` picks per
-    matrix, so the graph has no data-dependent branch. Either way each matrix gets the same numbers.
-    """
-    shifted = logits - logits.amax(dim=(-2, -1), keepdim=True)  # each matrix's largest logit at 0
-    spread = -shifted.amin(dim=(-2, -1), keepdim=True)  # [..., 1, 1]
-    traced = is_torchdynamo_compiling() or torch.compiler.is_exporting()
-    if not traced and (not shifted.numel() or spread.max().item() <= SINKHORN_LINEAR_SPACE_MAX_SPREAD):
-        return _linear_space_sinkhorn(shifted, iterations)
-    if not traced and bool((spread > SINKHORN_LINEAR_SPACE_MAX_SPREAD).all()):
-        return log_space_sinkhorn(logits, iterations)
-    # Entries that underflow to 0 only occur in matrices that take the log-space result; the floor
-    # keeps their (discarded) linear-space rows free of 0 / 0, so gradients through `where` stay finite.
-    linear = _linear_space_sinkhorn(shifted, iterations, floor=torch.finfo(torch.float32).tiny)
-    return torch.where(spread <= SINKHORN_LINEAR_SPACE_MAX_SPREAD, linear, log_space_sinkhorn(logits, iterations))
-
-
-def _linear_space_sinkhorn(shifted: torch.Tensor, iterations: int, floor: float = 0.0) -> torch.Tensor:
-    """Row then column normalisation of ``exp(shifted)`` (entries floored at ``floor``), ``iterations`` rounds."""
-    k = torch.exp(shifted)
-    if floor:
-        k = k.clamp_min(floor)
-    for _ in range(iterations):
-        k = k / k.sum(dim=-1, keepdim=True)
-        k = k / k.sum(dim=-2, keepdim=True)
-    return k
-
-
-def walsh_transform(z: torch.Tensor, walsh: Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """``z @ walsh_matrix(n)`` over the last axis. ``walsh``: the [n, n] matrix, or its Kronecker factors
-    (W_a [a, a], W_b [b, b]) (`numerics.walsh_factor_sizes`) for two small products instead of one
-    product with the matrix (`NeedleModel.walsh` picks which)."""
-    if isinstance(walsh, torch.Tensor):
-        return z @ walsh
-    walsh_a, walsh_b = walsh
-    a, b = walsh_a.shape[0], walsh_b.shape[0]
-    z = z.reshape(*z.shape[:-1], a, b) @ walsh_b  # [..., a, b]
-    return (walsh_a @ z).reshape(*z.shape[:-2], a * b)  # W_a is symmetric: W_a^T Z = W_a Z
-
-
-def architecture_constant(name: str, config: NeedleConfig) -> np.ndarray:
-    """A constant table of the architecture: ``walsh`` [n, n] (the MLPs' orthonormal Walsh-Hadamard
-    matrix), ``walsh_a`` [a, a] and ``walsh_b`` [b, b] (its Kronecker factors,
-    `numerics.walsh_factor_sizes`), ``rope_inverse_frequencies`` [head_dim // 2], ``pre_offsets`` /
-    ``post_offsets`` [layers, L] (hyper-connection lane ownership)."""
-    if name == "walsh":
-        return walsh_matrix(config.hadamard_size)
-    if name in ("walsh_a", "walsh_b"):
-        return walsh_matrix(walsh_factor_sizes(config.hadamard_size)[name == "walsh_b"])
-    if name == "rope_inverse_frequencies":
-        return rope_inverse_frequencies(config.head_dim, config.rope_theta)
-    if name in ("pre_offsets", "post_offsets"):
-        offsets = hyper_connection_offsets(config.num_hidden_layers, config.hyper_connection_lanes)
-        return offsets[0] if name == "pre_offsets" else offsets[1]
-    raise KeyError(f"no constant table named {name!r}")
-
-
-def walsh_operand(
-    config: NeedleConfig, table: Callable[[str], torch.Tensor]
-) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-    """What the MLPs' `walsh_transform` reads, from ``table(name)`` (an `architecture_constant`): the
-    Kronecker factors (two small products, ~10x fewer multiply-adds than the [n, n] matrix), or with
-    deploy numerics the matrix, whose order of summation the reference's 4-bit KV levels were rounded from."""
-    if config.deploy_numerics:
-        return table("walsh")
-    return table("walsh_a"), table("walsh_b")
-
-
-def lane_mean(lanes: torch.Tensor) -> torch.Tensor:
-    """Mean over the hyper-connection lanes [B, S, L, d] -> [B, S, d], accumulated in float32."""
-    return lanes.float().mean(dim=2).to(lanes.dtype)
-
-
-def engram_hash_indices(tokens: torch.Tensor, orders, num_heads: int, slots: int) -> torch.Tensor:
-    """Hash-table rows [B, T, tables] of the n-grams ending at each position (tokens before the start are 0).
-
-    32-bit FNV-style hash in int64 arithmetic: a state below 2**32 times the prime stays below 2**63.
-    All tables are hashed together (integer arithmetic, so exactly as one at a time): token ``t - back``
-    is folded into the tables whose order exceeds ``back``.
-    """
-    tokens = tokens.long()
-    device = tokens.device
-    seeds = torch.tensor(engram_table_seeds(len(orders), num_heads), dtype=torch.long, device=device)  # [tables]
-    table_orders = torch.tensor(engram_table_orders(orders, num_heads), device=device)  # [tables]
-    acc = seeds.expand(*tokens.shape, -1)  # [B, T, tables]
-    for back in range(max(orders)):
-        folded = ((acc ^ shift_right(tokens, back)[..., None]) * ENGRAM_HASH_PRIME) & UINT32_MASK
-        acc = folded if back < min(orders) else torch.where(table_orders > back, folded, acc)
-    acc = acc ^ (acc >> ENGRAM_HASH_SHIFT)
-    return acc % slots
-
-
-def attention_allowed(
-    key_visible: torch.Tensor, past_length: int, query_length: int, group: int, *, window: int = 0
-) -> torch.Tensor:
-    """Boolean attention mask [B, 1, group * S, K]: causal, restricted to visible keys (and, with
-    ``window > 0``, to the last ``window`` key slots: the engine's sliding KV window, see `kv_window.py`),
-    and always the query itself.
-
-    key_visible: [B, K] (K = past + S, or the length of a static cache); past_length may be a 0-d tensor.
-    A query attending to itself keeps padding rows (which see no visible key) finite and independent
-    of other positions, as in the Flax model. The [S, K] rows repeat ``group`` times (group = 1 gives
-    the [B, 1, S, K] mask of the attention functions).
-    """
-    device = key_visible.device
-    query_positions = torch.arange(query_length, device=device) + past_length  # [S]
-    key_positions = torch.arange(key_visible.shape[1], device=device)  # [K]
-    causal = key_positions[None, :] <= query_positions[:, None]  # [S, K]
-    itself = key_positions[None, :] == query_positions[:, None]  # [S, K]
-    if window > 0:
-        causal = causal & (query_positions[:, None] - key_positions[None, :] < window)
-    allowed = (causal[None] & key_visible[:, None, :]) | itself[None]  # [B, S, K]
-    return (allowed.repeat(1, group, 1) if group > 1 else allowed)[:, None]  # [B, 1, group * S, K]
-
-
-def default_position_ids(
-    attention_mask: Optional[torch.Tensor], past_length: int, length: int, batch: int, device
-) -> torch.Tensor:
-    """Positions [B, S] of the new tokens: ``cumsum(mask) - 1`` over the whole mask (padding does not
-    advance the position), or ``past_length + arange(S)`` without a mask. The mask may run past the new
-    tokens (a static cache's full length); past_length may be a 0-d tensor."""
-    new_positions = torch.arange(length, device=device) + past_length  # [S]
-    if attention_mask is None:
-        return new_positions[None].expand(batch, -1)
-    positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-    return positions.gather(1, new_positions[None].expand(batch, -1).to(positions.device))
-
-
-def packed_segment_ids(position_ids: torch.Tensor) -> Optional[torch.Tensor]:
-    """Sequence index [B, S] of every token of a padding-free (packed) batch, or None when no row packs.
-
-    transformers' convention (`find_packed_sequence_indices`, TRL's padding-free collator,
-    `DataCollatorWithFlattening`): a position that is not its predecessor's plus one starts a sequence.
-    position_ids: [B, S].
-    """
-    starts = torch.ones_like(position_ids, dtype=torch.bool)
-    starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
-    segments = starts.long().cumsum(-1) - 1  # [B, S], 0 for the first sequence
-    if not (is_torchdynamo_compiling() or torch.compiler.is_exporting()) and not bool(segments[:, -1].any()):
-        return None
-    return segments
-
-
-def segment_ids_from_cu_seq_lens(cu_seq_lens: torch.Tensor, length: int) -> torch.Tensor:
-    """Sequence index [1, S] of a flattened row from its cumulative sequence lengths [N + 1] (the varlen
-    kernels' ``cu_seq_lens_q``: 0, end of sequence 1, ..., S)."""
-    cu_seq_lens = cu_seq_lens.long().flatten()
-    if cu_seq_lens.numel() < 2 or int(cu_seq_lens[0]) != 0 or int(cu_seq_lens[-1]) != length or bool(
-        (cu_seq_lens.diff() < 0).any()
-    ):
-        raise ValueError(
-            f"cu_seq_lens_q must rise from 0 to the row length {length} (the flattened batch's sequence "
-            f"boundaries), got {cu_seq_lens.tolist()}"
-        )
-    positions = torch.arange(length, device=cu_seq_lens.device)
-    return (torch.searchsorted(cu_seq_lens[1:], positions, right=True))[None]
-
-
-@dataclass(frozen=True)
-class PackedLayout:
-    """Where the tokens of a packed batch sit when its sequences are laid out one per row for attention.
-
-    index: [N, L] flat position (b * S + t) of each sequence's tokens, N sequences of up to L tokens
-    (0 where a sequence is shorter); inverse: [B * S] place of each token in the [N * L] layout.
-    Attention over [N, L] rows costs sum-over-sequences L^2 rather than S^2 per packed row.
-    """
-
-    index: torch.Tensor
-    inverse: torch.Tensor
-
-    @classmethod
-    def of(cls, segment_ids: torch.Tensor) -> "PackedLayout":
-        batch, length = segment_ids.shape
-        device = segment_ids.device
-        flat_segments = (segment_ids + torch.arange(batch, device=device)[:, None] * length).flatten()  # [B * S]
-        _, sequence, counts = torch.unique_consecutive(flat_segments, return_inverse=True, return_counts=True)
-        starts = counts.cumsum(0) - counts
-        offsets = torch.arange(batch * length, device=device) - starts[sequence]
-        longest = int(counts.max())
-        inverse = sequence * longest + offsets  # [B * S]
-        index = torch.zeros(counts.numel() * longest, dtype=torch.long, device=device)
-        index[inverse] = torch.arange(batch * length, device=device)
-        return cls(index=index.view(-1, longest), inverse=inverse)
-
-    def attention_allowed(self, window: int = 0) -> torch.Tensor:
-        """Boolean [N, 1, L, L]: causal within each sequence, and always the query itself (the layout's
-        empty slots see only themselves, so their rows stay finite)."""
-        sequences, longest = self.index.shape
-        device = self.index.device
-        filled = torch.zeros(sequences * longest, dtype=torch.bool, device=device)
-        filled[self.inverse] = True
-        positions = torch.arange(longest, device=device)
-        causal = positions[None, :] <= positions[:, None]  # [L, L]
-        if window > 0:
-            causal = causal & (positions[:, None] - positions[None, :] < window)
-        itself = torch.eye(longest, dtype=torch.bool, device=device)
-        return ((causal[None] & filled.view(sequences, 1, longest)) | itself[None])[:, None]
-
-    def pack(self, x: torch.Tensor) -> torch.Tensor:
-        """[B, heads, S, hd] -> [N, heads, L, hd]."""
-        batch, heads, length, width = x.shape
-        flat = x.transpose(1, 2).reshape(batch * length, heads, width)
-        return flat[self.index].transpose(1, 2)
-
-    def unpack(self, x: torch.Tensor, batch: int) -> torch.Tensor:
-        """[N, L, heads, hd] (an attention function's output) -> [B, S, heads, hd]."""
-        sequences, longest, heads, width = x.shape
-        return x.reshape(sequences * longest, heads, width)[self.inverse].view(batch, -1, heads, width)
-
-
-def packed_lookback(segment_ids: torch.Tensor, key_visible: torch.Tensor, width: int) -> torch.Tensor:
-    """`engram_lookback` of a packed batch without a cache: [B, S, width], whether token t sees t - k
-    (visible, and in the same sequence); segment_ids, key_visible: [B, S]."""
-    batch, length = segment_ids.shape
-    back = torch.arange(length, device=segment_ids.device)[:, None] - torch.arange(width, device=segment_ids.device)
-    earlier = back.clamp(min=0)[None].expand(batch, -1, -1)  # [B, S, W]
-    same = segment_ids.gather(1, earlier.reshape(batch, -1)).view(batch, length, width) == segment_ids[..., None]
-    visible = key_visible.gather(1, earlier.reshape(batch, -1)).view(batch, length, width)
-    return same & visible & (back >= 0)[None]
-
-
-def attention_sees_from_4d(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Boolean [B, Q, K] (True: the query attends the key) of a custom 4-D attention mask [B, 1, Q, K]:
-    a boolean mask (True = attend) or an additive float one (0 = attend, a large negative number or
-    -inf = masked, as transformers' own 4-D masks)."""
-    if attention_mask.dtype == torch.bool:
-        return attention_mask[:, 0]
-    if not attention_mask.is_floating_point():
-        raise ValueError(
-            f"a 4-D attention_mask must be boolean (True = attend) or additive float (0 = attend, the dtype's "
-            f"minimum or -inf = masked), got dtype {attention_mask.dtype}"
-        )
-    masked = attention_mask[:, 0] < 0
-    if not (is_torchdynamo_compiling() or torch.compiler.is_exporting()):
-        values = attention_mask[:, 0]
-        if bool(((values != 0) & (values > torch.finfo(values.dtype).min / 2)).any()):
-            raise ValueError(
-                "a float 4-D attention_mask must hold 0 (attend) and large negative values (masked) only: "
-                "Needle has no additive attention biases"
-            )
-    return ~masked
-
-
-def engram_lookback(sees: torch.Tensor, past_length, width: int) -> torch.Tensor:
-    """[B, S, width] bool: whether new token t (at ``past_length + t``) sees the position k before it,
-    read off ``sees`` [B, S, K] (query t, key position); False before the first position."""
-    batch, length, keys = sees.shape
-    device = sees.device
-    back = torch.arange(length, device=device)[:, None] + past_length - torch.arange(width, device=device)  # [S, W]
-    gathered = sees.gather(2, back.clamp(0, keys - 1)[None].expand(batch, -1, -1))
-    return gathered & (back >= 0)[None]
-
-
-def check_engram_lookback(lookback: torch.Tensor, real: torch.Tensor, config: NeedleConfig) -> None:
-    """Refuse a 4-D mask under which an engram output would read tokens its query does not see.
-
-    The engram of token t hashes the n-grams ending at t and convolves the values of t - dilation * j,
-    each hashing its own n-gram: it reads the tokens just before t by their places in the row. That is
-    well defined when each query sees, within `engram_history` positions, every real token between
-    itself and the earliest one it sees (padding, seen by nobody, may lie between), and every token the
-    n-grams of the positions its taps read reach. Causal, padding and packed (block-diagonal) masks
-    satisfy this; shared-prefix and tree masks, where a branch sits right after a sibling, do not.
-
-    lookback: [B, S, W] (`engram_lookback`); real: [B, S, W] whether that position is real text.
-    """
-    hole = ~lookback & real  # [B, S, W]
-    hole_before = torch.cummax(hole.int(), dim=-1).values.bool()  # a hole at or before k
-    violation = lookback[..., 1:] & hole_before[..., :-1]  # sees k while a real token nearer is hidden
-    # Row t sees its tap source s = t - d*j and s's n-gram reaches s - m: t must see s - m as well.
-    dilation, width = config.engram_conv_dilation, lookback.shape[-1]
-    length = lookback.shape[1]
-    for j in range(1, config.engram_conv_taps):
-        k = j * dilation
-        if k >= length:
-            break
-        source = F.pad(lookback[:, : length - k], (0, 0, k, 0))  # row t - k of the new tokens, [B, S, W]
-        for m in range(1, max(config.engram_orders)):
-            if k + m < width:
-                leak = lookback[..., k] & source[..., m] & ~lookback[..., k + m] & real[..., k + m]
-                violation = violation | F.pad(leak[..., None], (0, violation.shape[-1] - 1))
-    if bool(violation.any()):
-        b, t, _ = (int(i) for i in violation.nonzero()[0])
-        raise ValueError(
-            f"attention_mask (4-D): query {t} of row {b} sees some of the {config.engram_history} tokens before it "
-            "but not a real token between them; Needle's engram memory hashes the n-grams ending at each position "
-            "by their places in the row, so this mask (a shared prefix or tree of branches, say) has no Needle "
-            "meaning. Run such branches as separate rows (or packed sequences with position_ids restarting at 0)."
-        )
 
 
 def eager_attention_forward(
@@ -572,9 +240,11 @@ class NeedleResidualLinear(nn.Linear):
 class NeedleAttention(nn.Module):
     """Grouped-query self-attention with q/k norms, half-split RoPE and a sigmoid output gate.
 
-    The attention product itself runs through transformers' attention-function interface:
-    `eager_attention_forward` for ``"eager"``, ``ALL_ATTENTION_FUNCTIONS[config._attn_implementation]``
-    otherwise (sdpa, flex_attention, paged backends).
+    The attention product runs through transformers' attention-function interface as in
+    ``models/llama``: ``ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation,
+    eager_attention_forward)`` on 5.x, `eager_attention_forward` or
+    ``ALL_ATTENTION_FUNCTIONS[config._attn_implementation]`` on 4.57. transformers reads this file
+    for those forms before `set_attn_implementation` switches the kernel of a loaded model.
     """
 
     is_causal = True
@@ -628,12 +298,20 @@ class NeedleAttention(nn.Module):
         elif cache is not None and self.layer_idx is not None:
             k, v = cache.update(k, v, self.layer_idx, {"cache_position": step.cache_position})  # [B, KV, K, hd]
 
-        implementation = step.attention_implementation or self.config._attn_implementation
-        attention = eager_attention_forward if implementation == "eager" else ALL_ATTENTION_FUNCTIONS[implementation]
+        attention_interface: Callable = eager_attention_forward
+        if step.attention_implementation is not None:  # a compiled decoding step's own choice
+            if step.attention_implementation != "eager":
+                attention_interface = ALL_ATTENTION_FUNCTIONS[step.attention_implementation]
+        elif _ATTENTION_INTERFACE_LOOKUP:  # transformers 5.x
+            attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
+                self.config._attn_implementation, eager_attention_forward
+            )
+        elif self.config._attn_implementation != "eager":  # transformers 4.57
+            attention_interface = ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]
         layout = step.packed_layout
         if layout is not None:  # packed sequences one per row: [N, heads, L, hd]
             q, k, v = layout.pack(q), layout.pack(k), layout.pack(v)
-        out, probs = attention(
+        out, probs = attention_interface(
             self,
             q,
             k,
@@ -900,11 +578,6 @@ def engram_window_memory(
     }
 
 
-def tied_logits(hidden: torch.Tensor, embedding_weight: torch.Tensor) -> torch.Tensor:
-    """Float32 ``hidden @ E.T``: [..., d] -> [..., V] (the output head is the token embedding)."""
-    return hidden.float() @ embedding_weight.float().T
-
-
 class NeedleMultiTokenPrediction(nn.Module):
     """MTP head: ``block(cat(h, norm(E[next] * sqrt(d))) W)`` then a norm; its tied logits predict token t + 2."""
 
@@ -926,47 +599,6 @@ class NeedleMultiTokenPrediction(nn.Module):
         combined = torch.cat([hidden, self.embed_norm(next_embedded).to(hidden.dtype)], dim=-1)
         combined = quantize_activations(combined, self.config)  # deploy numerics hook
         return self.norm(self.block.block(self.combine_proj(combined), step, cache=cache)[0])
-
-
-def probe_pool(cells: torch.Tensor, keep: torch.Tensor, probes: torch.Tensor) -> torch.Tensor:
-    """Attention pooling of every (position, layer) cell by learned probes.
-
-    cells: [B, T, L + 1, d] float32; keep: [B, T] bool; probes: [K, d] -> [B, K * d] float32.
-    """
-    batch, length, depth, width = cells.shape
-    flat = cells.reshape(batch, length * depth, width)
-    keep = keep.repeat_interleave(depth, dim=1)  # position-major, like the cells
-    scores = torch.einsum("bcd,kd->bkc", flat, probes.float()) / math.sqrt(width)
-    scores = scores.masked_fill(~keep[:, None, :], float("-inf"))
-    weights = scores.softmax(dim=-1)
-    return torch.einsum("bkc,bcd->bkd", weights, flat).reshape(batch, -1)
-
-
-class NeedleContrastiveHead(nn.Module):
-    """Tool-retrieval embedding: probe pooling, a projection, L2 normalisation, plus a learned log-temperature."""
-
-    def __init__(self, config: NeedleConfig):
-        super().__init__()
-        self.probes = nn.Parameter(torch.zeros(CONTRASTIVE_PROBES, config.hidden_size))
-        self.proj = nn.Linear(CONTRASTIVE_PROBES * config.hidden_size, config.contrastive_dim, bias=False)
-        self.log_temperature = nn.Parameter(torch.tensor(math.log(CONTRASTIVE_TEMPERATURE_INIT)))
-
-    def forward(self, cells: torch.Tensor, keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        projected = self.proj(probe_pool(cells, keep, self.probes).to(dtype))  # [B, C]
-        norm = torch.sqrt(projected.float().pow(2).sum(-1, keepdim=True) + CONTRASTIVE_NORM_EPS)
-        return projected / norm.to(projected.dtype)
-
-
-class NeedleConfidenceHead(nn.Module):
-    """Answer-confidence logit: probe pooling and an affine map to one float32 logit per sequence."""
-
-    def __init__(self, config: NeedleConfig):
-        super().__init__()
-        self.probes = nn.Parameter(torch.zeros(CONFIDENCE_PROBES, config.hidden_size))
-        self.proj = nn.Linear(CONFIDENCE_PROBES * config.hidden_size, 1, bias=True)
-
-    def forward(self, cells: torch.Tensor, keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return self.proj(probe_pool(cells, keep, self.probes).to(dtype))[..., 0].float()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -995,27 +627,6 @@ def _refuse_inputs_embeds(inputs_embeds):
 # Pretrained-model plumbing
 
 
-def _flex_block_mask(allowed: torch.Tensor):
-    """The [B, 1, S, K] boolean mask as flex attention's `BlockMask` (a mask read inside a score
-    modification is what the CPU kernels of torch 2.13 mishandle; a block mask they run)."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    batch, _, length, keys = allowed.shape
-
-    def visible(b, h, q, k):
-        return allowed[b, 0, q, k]
-
-    return create_block_mask(visible, batch, None, length, keys, device=allowed.device)
-
-
-# torch's intra-op thread count when this module was imported: a different count later was chosen.
-_THREADS_AT_IMPORT = torch.get_num_threads()
-
-
-def _threads_chosen_by_user() -> bool:
-    return bool(os.environ.get("OMP_NUM_THREADS")) or torch.get_num_threads() != _THREADS_AT_IMPORT
-
-
 def _init_value(tensor: torch.Tensor, value) -> None:
     """Set a deterministic initial value, unless transformers marked the tensor as loaded from a checkpoint."""
     if getattr(tensor, "_is_hf_initialized", False):
@@ -1035,7 +646,10 @@ class NeedlePreTrainedModel(PreTrainedModel):
     _supports_flash_attn = False
     _supports_flash_attn_2 = False
     _supports_flex_attn = True
-    _supports_attention_backend = True
+    # vLLM's generic Transformers backend serves a model that declares this through its own attention
+    # and KV cache, without the engram memory, the hyper-connection lanes or Needle's masks: it would
+    # serve Needle wrongly. Needle is served by the `needle_hf.serving.vllm` plugin's model instead.
+    _supports_attention_backend = False
     _supports_cache_class = True
     _supports_static_cache = True  # the engram state lives in the cache (`NeedleEngramCacheLayer`)
     _can_compile_fullgraph = True
@@ -1110,84 +724,10 @@ class NeedlePreTrainedModel(PreTrainedModel):
             **kwargs,
         )
         unused = NeedleModel._unused_checkpoint_prefixes if without_heads else ()
-        _raise_unless_exact(model, loading_info, pretrained_model_name_or_path, unused_prefixes=unused)
+        raise_unless_exact(model, loading_info, pretrained_model_name_or_path, unused_prefixes=unused)
         if hasattr(model, "freeze_mtp_head"):
             model.freeze_mtp_head()  # transformers 5.x loads parameters anew, trainable
         return (model, loading_info) if wants_loading_info else model
-
-
-def _local_checkpoint_tensor(source, name: str, *, shape_only: bool = False):
-    """Tensor ``name`` (or its shape) in the safetensors files of a local folder (None when not found there)."""
-    if not os.path.isdir(str(source)):
-        return None
-    for file_name in sorted(os.listdir(source)):
-        if file_name.endswith(".safetensors"):
-            with safe_open(os.path.join(source, file_name), framework="pt") as handle:
-                if name in handle.keys():
-                    return tuple(handle.get_slice(name).get_shape()) if shape_only else handle.get_tensor(name)
-    return None
-
-
-def _untied_names(model: PreTrainedModel, source) -> list[str]:
-    """Tied names (`TIED_WEIGHTS`) whose checkpoint tensor differs from its source: 5.x then unties
-    them; 4.57 keeps the tie and drops the checkpoint's tensor, read back here from a local folder."""
-    untied = []
-    for tied, source_name in TIED_WEIGHTS.items():
-        try:
-            tied_param, source_param = model.get_parameter(tied), model.get_parameter(source_name)
-        except AttributeError:  # the bare backbone has no output head
-            continue
-        stored = _local_checkpoint_tensor(source, tied) if tied_param is source_param else None
-        if tied_param is not source_param or (stored is not None and not torch.equal(stored.to(source_param), source_param)):
-            untied.append(tied)
-    return untied
-
-
-def _raise_unless_exact(model: PreTrainedModel, loading_info: dict, source, unused_prefixes: tuple = ()) -> None:
-    # A tied name is never required (its source is, and is reported when missing).
-    missing = sorted(name for name in loading_info.get("missing_keys") or [] if name not in TIED_WEIGHTS)
-    untied = _untied_names(model, source)
-    unused_prefixes = tuple(getattr(model, "_unused_checkpoint_prefixes", ())) + tuple(unused_prefixes)
-    unexpected = sorted(
-        name for name in loading_info.get("unexpected_keys") or [] if not name.startswith(unused_prefixes)
-    )
-    expected_shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-    mismatched = []
-    for entry in loading_info.get("mismatched_keys") or []:
-        # transformers 5.x reports (name, checkpoint shape, model shape); 4.57 reports the name only.
-        if isinstance(entry, (tuple, list)):
-            name, found = entry[0], tuple(entry[1])
-        else:
-            name, found = entry, _local_checkpoint_tensor(source, entry, shape_only=True)
-        mismatched.append(f"{name}: expected {expected_shapes.get(name)}, got {found or 'a different shape'}")
-    if not (missing or unexpected or mismatched or untied):
-        return
-
-    def listing(names):
-        shown = ", ".join(names[:5])
-        return shown + (f" (and {len(names) - 5} more)" if len(names) > 5 else "")
-
-    problems = []
-    if missing:
-        problems.append(f"{len(missing)} missing tensor(s): {listing(missing)}")
-    if unexpected:
-        problems.append(f"{len(unexpected)} unexpected tensor(s): {listing(unexpected)}")
-    if mismatched:
-        problems.append(f"{len(mismatched)} tensor(s) of the wrong shape: {listing(sorted(mismatched))}")
-    for name in untied:
-        problems.append(f"{name} differs from {TIED_WEIGHTS[name]} (the output head is tied to the token embedding)")
-    hint = ""
-    if any(name.startswith(("mtp.", "contrastive_head.", "confidence_head.")) for name in missing + unexpected):
-        hint = (
-            " The optional heads present must agree with use_mtp_head / use_contrastive_head /"
-            " use_confidence_head in config.json (a backbone checkpoint loads with `without_heads=True`)."
-        )
-    raise NeedleWeightsError(
-        f"{type(model).__name__}.from_pretrained({str(source)!r}): the checkpoint does not match the config: "
-        + "; ".join(problems)
-        + "."
-        + hint
-    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1211,7 +751,7 @@ class NeedleModel(NeedlePreTrainedModel):
         self.layers = nn.ModuleList([NeedleDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
         self.norm = NeedleRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.engrams = nn.ModuleList([NeedleEngram(config) for _ in config.engram_layers])
-        self.embed_scale = math.sqrt(config.hidden_size)
+        self.embed_scale = embedding_scale(config.hidden_size)
         # Constants derived from the config, kept out of the state dict: copies per (name, device, dtype).
         self._constant_copies: dict[tuple, torch.Tensor] = {}
         self.gradient_checkpointing = False
@@ -1314,7 +854,7 @@ class NeedleModel(NeedlePreTrainedModel):
             mask_2d = key_visible.long() if sees is not None else attention_mask
             position_ids = default_position_ids(mask_2d, past_length, length, batch, device)
         inverse_frequencies = self.constant("rope_inverse_frequencies", device, torch.float32)
-        cos, sin = rotary_tables(position_ids.to(device), inverse_frequencies)  # [B, S, hd] each
+        cos, sin = rope_tables(position_ids.to(device), inverse_frequencies)  # [B, S, hd] each
         lookback = None
         if layout is not None:
             allowed = layout.attention_allowed(attention_window)  # [N, 1, L, L]
@@ -1333,7 +873,7 @@ class NeedleModel(NeedlePreTrainedModel):
                 check_engram_lookback(lookback, engram_lookback(key_visible[:, None, :].expand(-1, length, -1),
                                                                 past_length, width), self.config)
         if self.config._attn_implementation == "flex_attention":
-            attention_mask_4d = _flex_block_mask(allowed)
+            attention_mask_4d = flex_block_mask(allowed)
         else:
             attention_mask_4d = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(
                 ~allowed, torch.finfo(dtype).min
@@ -1514,7 +1054,7 @@ class NeedleModel(NeedlePreTrainedModel):
                     f"attention_mask must cover the cached and the new tokens: expected shape {expected}, "
                     f"got {tuple(attention_mask.shape)}"
                 )
-        window = self.config.attention_window if attention_window is None else _attention_window_option(attention_window)
+        window = self.config.attention_window if attention_window is None else attention_window_option(attention_window)
         segments = None
         if cu_seq_lens_q is not None or cu_seq_lens_k is not None or (attention_mask is None and position_ids is not None):
             past_length = 0 if cache is None else int(cache.get_seq_length())
@@ -1573,7 +1113,7 @@ class NeedleModel(NeedlePreTrainedModel):
 # Causal LM with the optional heads
 
 
-class NeedleForCausalLM(NeedlePreTrainedModel, GenerationMixin):
+class NeedleForCausalLM(NeedlePreTrainedModel, NeedleGenerationMixin):
     """Needle 2 for generation: the backbone, tied float32 logits, and the optional MTP,
     contrastive and confidence heads (present when the config says so).
 
@@ -1595,7 +1135,7 @@ class NeedleForCausalLM(NeedlePreTrainedModel, GenerationMixin):
         self.contrastive_head = NeedleContrastiveHead(config) if config.use_contrastive_head else None
         self.confidence_head = NeedleConfidenceHead(config) if config.use_confidence_head else None
         self.post_init()  # ties lm_head.weight to model.embed_tokens.weight
-        self._register_load_state_dict_pre_hook(_fill_tied_alias, with_module=True)  # public from torch 2.5
+        self._register_load_state_dict_pre_hook(fill_tied_alias, with_module=True)  # public from torch 2.5
         self.freeze_mtp_head()
 
     def freeze_mtp_head(self) -> None:
@@ -1714,7 +1254,7 @@ class NeedleForCausalLM(NeedlePreTrainedModel, GenerationMixin):
         if return_mtp_logits:
             batch, length = input_ids.shape
             positions = torch.arange(length, device=input_ids.device)
-            window = self.config.attention_window if attention_window is None else _attention_window_option(attention_window)
+            window = self.config.attention_window if attention_window is None else attention_window_option(attention_window)
             segments = None
             if cu_seq_lens_q is not None or (attention_mask is None and position_ids is not None):
                 segments = self.model.sequence_segments(attention_mask, position_ids, cu_seq_lens_q, cu_seq_lens_k,
@@ -1750,102 +1290,6 @@ class NeedleForCausalLM(NeedlePreTrainedModel, GenerationMixin):
         )
         return output if return_dict else output.to_tuple()
 
-    def generate(self, inputs: Optional[torch.Tensor] = None, generation_config=None, **kwargs):
-        """`GenerationMixin.generate` (with ``use_mtp_head=True``, argument or generation config: decoding
-        with MTP self-speculation, `speculative.mtp_generate`: the same tokens, fewer backbone forwards),
-        on one intra-op thread on the CPU unless the user chose a count.
-
-        A decoding step is thousands of small ops; with several OpenMP threads each op that opens a
-        parallel region waits for every thread to be scheduled, which on a loaded machine makes
-        decoding several times slower than one thread (whose speed does not depend on the load). A
-        thread count set with ``torch.set_num_threads`` (after importing this module) or
-        ``OMP_NUM_THREADS`` is left alone; the previous count is restored afterwards either way.
-        """
-        if self.device.type != "cpu" or _threads_chosen_by_user():
-            return self._generate_with_drafts(inputs, generation_config, **kwargs)
-        previous = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            return self._generate_with_drafts(inputs, generation_config, **kwargs)
-        finally:
-            torch.set_num_threads(previous)
-
-    def get_compiled_call(self, compile_config) -> "LayerCompiledCall":
-        """The decoding step `generate` runs with a static cache when it compiles (``compile_config``):
-        the model with each decoder layer and the engram memory compiled (`LayerCompiledCall`), not one
-        whole-model graph.
-        The prefill stays eager, as in transformers."""
-        from transformers import CompileConfig
-
-        options = (compile_config or getattr(self.generation_config, "compile_config", None) or CompileConfig()).to_dict()
-        if getattr(self, "_compiled_call", None) is None or self._compiled_call.options != options:
-            self._compiled_call = LayerCompiledCall(self, options)
-        return self._compiled_call
-
-    def _valid_auto_compile_criteria(self, model_kwargs: dict, generation_config) -> bool:
-        """transformers compiles the decoding step on accelerators only; on the CPU a ``compile_config``
-        passed to `generate` (with a static cache) asks for it."""
-        requested = generation_config.compile_config
-        if requested is not None and self.device.type == "cpu" and not requested._compile_all_devices:
-            generation_config.compile_config = copy.copy(requested)
-            generation_config.compile_config._compile_all_devices = True
-        return super()._valid_auto_compile_criteria(model_kwargs, generation_config)
-
-    def _generate_with_drafts(self, inputs, generation_config, **kwargs):
-        use_mtp = pop_mtp_option(kwargs, generation_config or self.generation_config)
-        lookup = kwargs.get("prompt_lookup_num_tokens") or getattr(
-            generation_config or self.generation_config, "prompt_lookup_num_tokens", None
-        )
-        if use_mtp and lookup:
-            raise ValueError(f"use_mtp_head=True drafts with the MTP head; it does not take prompt_lookup_num_tokens={lookup}")
-        if kwargs.get("attention_window") is not None:
-            kwargs["attention_window"] = _attention_window_option(kwargs["attention_window"])
-        prompt = inputs if inputs is not None else kwargs.get("input_ids")
-        if prompt is not None:
-            _check_prompt_ids(prompt, self.config.vocab_size)
-        if not use_mtp and not lookup:
-            return super().generate(inputs, generation_config, **kwargs)
-        resolved, model_kwargs = self._prepare_generation_config(generation_config, **kwargs)
-        if not use_mtp:  # prompt lookup: 4.57 can overshoot the length limit, see `trim_to_max_length`
-            output = super().generate(inputs, generation_config, **kwargs)
-            prompt = inputs if inputs is not None else kwargs["input_ids"]
-            limit = resolved.max_length if resolved.max_new_tokens is None else prompt.shape[1] + resolved.max_new_tokens
-            return trim_to_max_length(output, limit)
-        input_ids = inputs if inputs is not None else model_kwargs.pop("input_ids", None)
-        if input_ids is None:
-            raise ValueError("use_mtp_head=True needs input_ids")
-        return mtp_generate(self, input_ids, resolved, **model_kwargs)
-
-    def prepare_inputs_for_generation(self, input_ids: torch.LongTensor, *args, **kwargs) -> dict:
-        """`GenerationMixin`'s preparation, after checking that the text fits the model's positions."""
-        limit = self.config.max_position_embeddings
-        if input_ids.shape[1] > limit:
-            raise ValueError(
-                f"the text reaches {input_ids.shape[1]} positions, more than max_position_embeddings={limit}; "
-                "shorten the prompt or max_new_tokens"
-            )
-        model_inputs = super().prepare_inputs_for_generation(input_ids, *args, **kwargs)
-        # Filled in (as None) by transformers 4.57 for every model; Needle reads token ids only.
-        model_inputs.pop("inputs_embeds", None)
-        return model_inputs
-
-    def create_masks_for_generate(
-        self,
-        config: NeedleConfig,
-        attention_mask: Optional[torch.Tensor],
-        cache: Optional[Cache] = None,
-        past_key_values: Optional[Cache] = None,
-        **generation_metadata,
-    ) -> Optional[torch.Tensor]:
-        """`GenerationMixin`'s hook for compilable (static) caches: keep the 2-D padding mask, padded
-        with zeros to the cache's length, so every decoding step sees the same shapes. (The other
-        arguments transformers passes here, shapes and token types, differ between versions and say
-        nothing the mask does not.)"""
-        cache = cache if cache is not None else past_key_values
-        if attention_mask is None or cache is None or not is_static_cache(cache):
-            return attention_mask
-        return F.pad(attention_mask, (0, static_cache_length(cache) - attention_mask.shape[1]))
-
     # ----------------------------------------------------------------------------------------------
     # Probe-pooling heads
 
@@ -1874,7 +1318,8 @@ class NeedleForCausalLM(NeedlePreTrainedModel, GenerationMixin):
     def cells_from_hidden_states(self, input_ids: torch.Tensor, hidden_states: tuple) -> torch.Tensor:
         """The heads' cells [B, T, L + 1, d] float32 from a forward's ``hidden_states`` (``output_hidden_states=True``):
         ``x0`` and the lane mean after every layer. Lets a training step read the heads off its own forward."""
-        return torch.stack([self.model.embed(input_ids), *[h.float() for h in hidden_states[1:]]], dim=2)
+        cells = torch.stack([self.model.embed(input_ids), *[h.float() for h in hidden_states[1:]]], dim=2)
+        return cells.detach()  # the heads read a fixed backbone (`specification_needle`)
 
     def contrastive_embedding(
         self, input_ids: torch.LongTensor, attention_mask: Optional[torch.Tensor] = None
@@ -1894,41 +1339,6 @@ class NeedleForCausalLM(NeedlePreTrainedModel, GenerationMixin):
             raise ValueError("this model has no confidence head (config.use_confidence_head is False)")
         cells, keep = self._probe_cells(input_ids, attention_mask)
         return self.confidence_head(cells, keep, self.model.embed_tokens.weight.dtype)
-
-
-def _attention_window_option(value) -> int:
-    """An ``attention_window`` passed to a forward or `generate`: an int >= 0 (0: full attention)."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
-        raise ValueError(f"attention_window: expected an int >= 0 (0: full attention), found {value!r}")
-    return int(value)
-
-
-def _check_prompt_ids(input_ids, vocab_size: int) -> None:
-    """`generate`'s prompt: an integer tensor [B, T] of ids in [0, vocab_size)."""
-    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point() \
-            or input_ids.dtype in (torch.bool, torch.complex64, torch.complex128):
-        found = (f"{input_ids.dtype} of shape {tuple(input_ids.shape)}" if isinstance(input_ids, torch.Tensor)
-                 else type(input_ids).__name__)
-        raise ValueError(f"input_ids: expected an integer tensor [batch, tokens], found {found}")
-    if input_ids.numel():
-        low, high = int(input_ids.min()), int(input_ids.max())
-        if low < 0 or high >= vocab_size:
-            raise ValueError(f"input_ids: expected ids in [0, {vocab_size}) (config.vocab_size), found {low}..{high}")
-
-
-def _fill_tied_alias(module, state_dict, prefix, *args):
-    """`load_state_dict` pre-hook: a state dict of the weight table (no ``lm_head.weight``) loads
-    strictly, since the tied head is the embedding; an alias that differs from it is refused."""
-    for tied, source in TIED_WEIGHTS.items():
-        tied, source = prefix + tied, prefix + source
-        if source not in state_dict:
-            continue  # reported as missing by the load itself
-        if tied not in state_dict:
-            state_dict[tied] = state_dict[source]
-        elif not torch.equal(state_dict[tied], state_dict[source]):
-            raise NeedleWeightsError(
-                f"state dict: {tied} differs from {source}; Needle's output head is tied to the token embedding"
-            )
 
 
 def _positions_to_keep(logits_to_keep: Union[int, torch.Tensor]) -> Union[slice, torch.Tensor]:

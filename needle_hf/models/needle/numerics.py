@@ -2,18 +2,7 @@
 
 Only numpy: both modeling files import this (relatively, so it also travels as remote code).
 
-Axis letters, used in the shape comments and einsum strings of both models and of the numpy
-statement (`conversion/native_forward.py`); lower case in einsum strings:
-
-  B batch                         V vocabulary
-  T query positions (new tokens)  S key positions (cache or sequence; past + new)
-  D hidden width (d_model)        A attention width (N * H)
-  N query heads                   K key/value heads
-  G query heads per kv head       H head_dim
-  L hyper-connection lanes        I, J lanes as the rows and columns of a lane-mixing matrix
-  C engram context positions      E engram input width (tables * sub_dim)
-  W Hadamard width (a power of two >= D)
-  P pooling probes                F pooled cells (position, layer) of probe pooling
+Axis letters in shape comments and einsum strings: the legend of `specification_needle`.
 """
 
 from __future__ import annotations

@@ -54,6 +54,7 @@ from typing import Callable, Iterator, Mapping, Sequence
 import numpy as np
 
 from .numerics import CONFIDENCE_PROBES, CONTRASTIVE_PROBES, TIED_WEIGHTS, bits_for, is_cq_weight, weight_bits_map
+from .specification_needle import NeedleWeightsError  # the one exception of strict loading
 
 
 @dataclass(frozen=True)
@@ -200,9 +201,6 @@ def native_weight_shapes(config) -> dict[str, tuple[int, ...]]:
         shapes["/".join(spec.native_path)] = (*layers, *spec.native_shape)
     return shapes
 
-
-class NeedleWeightsError(ValueError):
-    """A checkpoint's tensors do not match the model the config describes (missing, unexpected or mis-shaped)."""
 
 
 # Every name prefix (HF and native) that belongs to an optional head, for the hint of `check_weights`.

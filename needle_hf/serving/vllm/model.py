@@ -60,7 +60,7 @@ from ...models.needle.modeling_needle import (
     architecture_constant,
     engram_window_memory,
     lane_mean,
-    rotary_tables,
+    rope_tables,
     tied_logits,
     walsh_operand,
 )
@@ -319,7 +319,7 @@ class NeedleVllmModel(nn.Module):
     def step_inputs(self, positions: torch.Tensor) -> NeedleStepInputs:
         """RoPE tables of the flat batch's positions, what the Walsh transform reads (`walsh_operand`) and
         the lane offsets. Masks and cache positions are vLLM's (its attention metadata), so those fields stay empty."""
-        cos, sin = rotary_tables(positions, self.rope_inverse_frequencies)  # [N, hd] each
+        cos, sin = rope_tables(positions, self.rope_inverse_frequencies)  # [N, hd] each
         return NeedleStepInputs(key_visible=None, attention_mask=None, cos=cos[None, None], sin=sin[None, None],
                                 cache_position=None, walsh=walsh_operand(self.config, self.get_buffer),
                                 pre_offsets=self.pre_offsets, post_offsets=self.post_offsets)

@@ -1,0 +1,62 @@
+"""The probe-pooling heads of Flax Needle 2: tool retrieval (contrastive) and answer confidence.
+(The MTP head runs a decoder block and lives with the layers in `modeling_flax_needle`.)"""
+
+from __future__ import annotations
+
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from .configuration_needle import NeedleConfig
+from .numerics import CONFIDENCE_PROBES, CONTRASTIVE_NORM_EPS, CONTRASTIVE_PROBES, CONTRASTIVE_TEMPERATURE_INIT
+from .ops_flax_needle import normal_initializer
+
+
+def probe_pool(cells: jnp.ndarray, keep: jnp.ndarray, probes: jnp.ndarray) -> jnp.ndarray:
+    """Attention pooling of every (position, layer) cell by learned probes, in float32.
+
+    cells [B, T, L + 1, D]; keep [B, T] bool (real tokens); probes [P, D] -> [B, P * D] float32.
+    The softmax runs over all T * (L + 1) cells (axis F), position-major.
+    """
+    b, t, depth, d = cells.shape
+    flat = cells.reshape(b, t * depth, d).astype(jnp.float32)  # [B, F, D]
+    keep = jnp.repeat(keep.astype(jnp.bool_), depth, axis=1)  # [B, F], position-major like the cells
+    scores = jnp.einsum("bfd,pd->bpf", flat, probes.astype(jnp.float32)) / math.sqrt(d)
+    weights = jax.nn.softmax(jnp.where(keep[:, None, :], scores, -jnp.inf), axis=-1)
+    return jnp.einsum("bpf,bfd->bpd", weights, flat).reshape(b, -1)
+
+
+class FlaxNeedleContrastiveHead(nn.Module):
+    """Tool-retrieval embedding: probe pooling, a projection, L2 normalisation, plus a learned log-temperature."""
+
+    config: NeedleConfig
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, cells, keep):
+        """-> (unit-norm embedding [B, contrastive_dim], log_temperature scalar)."""
+        cfg = self.config
+        probes = self.param("probes", normal_initializer(cfg.initializer_range), (CONTRASTIVE_PROBES, cfg.hidden_size))
+        pooled = probe_pool(cells, keep, probes).astype(self.dtype)
+        p = nn.Dense(cfg.contrastive_dim, use_bias=False, dtype=self.dtype, kernel_init=normal_initializer(cfg.initializer_range), name="proj")(pooled)
+        log_temperature = self.param("log_temperature", nn.initializers.constant(math.log(CONTRASTIVE_TEMPERATURE_INIT)), ())
+        norm = jnp.sqrt(jnp.sum(p.astype(jnp.float32) ** 2, axis=-1, keepdims=True) + CONTRASTIVE_NORM_EPS)
+        return p / norm.astype(p.dtype), log_temperature
+
+
+class FlaxNeedleConfidenceHead(nn.Module):
+    """Answer-confidence logit: probe pooling and an affine map to one float32 logit per sequence."""
+
+    config: NeedleConfig
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, cells, keep):
+        """-> confidence logit [B] float32."""
+        cfg = self.config
+        probes = self.param("probes", normal_initializer(cfg.initializer_range), (CONFIDENCE_PROBES, cfg.hidden_size))
+        pooled = probe_pool(cells, keep, probes).astype(self.dtype)
+        logit = nn.Dense(1, use_bias=True, dtype=self.dtype, kernel_init=normal_initializer(cfg.initializer_range), name="proj")(pooled)
+        return logit[..., 0].astype(jnp.float32)

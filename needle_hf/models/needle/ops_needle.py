@@ -1,0 +1,187 @@
+"""PyTorch Needle 2's numerical building blocks: norms, RoPE, Sinkhorn, the Walsh transform, the
+engram hash and the architecture's constant tables.
+
+Each is the PyTorch side of a helper `specification_needle` names (the Flax model defines the same
+names with the same arguments in `ops_flax_needle`); shapes use its axis legend.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Union
+
+import numpy as np
+import torch
+from transformers.utils import is_torchdynamo_compiling
+
+from .configuration_needle import NeedleConfig
+from .numerics import (
+    ENGRAM_HASH_PRIME,
+    ENGRAM_HASH_SHIFT,
+    SINKHORN_ITERATIONS,
+    SINKHORN_LINEAR_SPACE_MAX_SPREAD,
+    UINT32_MASK,
+    engram_table_orders,
+    engram_table_seeds,
+    hyper_connection_offsets,
+    rope_inverse_frequencies,
+    walsh_factor_sizes,
+    walsh_matrix,
+)
+from .specification_needle import walsh_operand_names
+
+
+def zero_centred_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``(1 + weight) * x / sqrt(mean(x^2) + eps)`` over the last axis, cast back to ``x``'s dtype.
+
+    The mean of squares is float32; ``1 + weight`` and its product with ``x`` happen in the
+    parameter/input dtype before the float32 division, as in the reference (this matters for fp16
+    checkpoints).
+    """
+    x_f32 = x.float()
+    rms = torch.sqrt((x_f32 * x_f32).mean(dim=-1, keepdim=True) + eps)  # x * x: pow(2) bit for bit, cheaper
+    return (((1 + weight) * x) / rms).to(x.dtype)
+
+
+def rms_unit(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """Float32 ``x / sqrt(mean(x^2) + eps)`` over the last axis, no gain."""
+    x = x.float()
+    return x * torch.rsqrt((x * x).mean(dim=-1, keepdim=True) + eps)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Half-split RoPE: ``[x1 cos - x2 sin, x2 cos + x1 sin]``, computed in float32.
+
+    Written as ``x * cos + [-x2, x1] * sin`` with each table repeated over both halves: the same
+    products and sums, bit for bit (negation is exact), in 5 tensor ops instead of 8.
+    x: [B, heads, S, head_dim]; cos, sin: [B, 1, S, head_dim] float32 (each half the same).
+    """
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x * cos + rotated * sin).to(x.dtype)
+
+
+def rope_tables(position_ids: torch.Tensor, inverse_frequencies: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float32 RoPE ``cos, sin`` [..., hd] of integer ``position_ids`` [...], each half the same (see `apply_rotary`)."""
+    angles = position_ids.float()[..., None] * inverse_frequencies  # [..., hd/2]
+    angles = torch.cat([angles, angles], dim=-1)
+    return torch.cos(angles), torch.sin(angles)
+
+
+def shift_right(x: torch.Tensor, offset: int) -> torch.Tensor:
+    """``x[:, t - offset]`` along axis 1, zero (False) where ``t < offset``."""
+    if offset == 0:
+        return x
+    filler = torch.zeros_like(x[:, :offset])
+    return torch.cat([filler, x[:, : max(x.shape[1] - offset, 0)]], dim=1)[:, : x.shape[1]]
+
+
+def log_space_sinkhorn(logits: torch.Tensor, iterations: int = SINKHORN_ITERATIONS) -> torch.Tensor:
+    """Sinkhorn normalisation of [..., n, n] float32 logits as the reference states it: each round
+    subtracts the logsumexp over rows, then over columns; the result is ``exp`` of the final logits."""
+    log_k = logits
+    for _ in range(iterations):
+        log_k = log_k - torch.logsumexp(log_k, dim=-1, keepdim=True)
+        log_k = log_k - torch.logsumexp(log_k, dim=-2, keepdim=True)
+    return torch.exp(log_k)
+
+
+def sinkhorn(logits: torch.Tensor, iterations: int = SINKHORN_ITERATIONS) -> torch.Tensor:
+    """Doubly-stochastic [..., n, n] float32 matrices: `log_space_sinkhorn`, computed in linear space.
+
+    Subtracting a row's logsumexp from its logits is dividing ``exp(logits)`` by the row's sum, so
+    ``k = exp(logits - max)`` normalised by row sums, then column sums, per round, is the same
+    computation in exact arithmetic. It takes 2 tensor ops per half-round instead of about 9 (a
+    logsumexp is max, subtract, exp, sum, log, add, with infinity guards); the routing matrices are
+    tiny ([B, S, 4, 4], 20 rounds in each of 27 layers), so op count is all their cost in decoding.
+
+    Linear space could underflow where one matrix's logits spread far (see
+    ``SINKHORN_LINEAR_SPACE_MAX_SPREAD``); such matrices take the log-space result. Run eagerly, the
+    spread is read back to the host and log space is computed only when some matrix needs it; in a
+    traced graph (`torch.compile`, `torch.export`) both are computed and `torch.where` picks per
+    matrix, so the graph has no data-dependent branch. Either way each matrix gets the same numbers.
+    """
+    shifted = logits - logits.amax(dim=(-2, -1), keepdim=True)  # each matrix's largest logit at 0
+    spread = -shifted.amin(dim=(-2, -1), keepdim=True)  # [..., 1, 1]
+    traced = is_torchdynamo_compiling() or torch.compiler.is_exporting()
+    if not traced and (not shifted.numel() or spread.max().item() <= SINKHORN_LINEAR_SPACE_MAX_SPREAD):
+        return _linear_space_sinkhorn(shifted, iterations)
+    if not traced and bool((spread > SINKHORN_LINEAR_SPACE_MAX_SPREAD).all()):
+        return log_space_sinkhorn(logits, iterations)
+    # Entries that underflow to 0 only occur in matrices that take the log-space result; the floor
+    # keeps their (discarded) linear-space rows free of 0 / 0, so gradients through `where` stay finite.
+    linear = _linear_space_sinkhorn(shifted, iterations, floor=torch.finfo(torch.float32).tiny)
+    return torch.where(spread <= SINKHORN_LINEAR_SPACE_MAX_SPREAD, linear, log_space_sinkhorn(logits, iterations))
+
+
+def _linear_space_sinkhorn(shifted: torch.Tensor, iterations: int, floor: float = 0.0) -> torch.Tensor:
+    """Row then column normalisation of ``exp(shifted)`` (entries floored at ``floor``), ``iterations`` rounds."""
+    k = torch.exp(shifted)
+    if floor:
+        k = k.clamp_min(floor)
+    for _ in range(iterations):
+        k = k / k.sum(dim=-1, keepdim=True)
+        k = k / k.sum(dim=-2, keepdim=True)
+    return k
+
+
+def walsh_transform(z: torch.Tensor, walsh: Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """``z @ walsh_matrix(n)`` over the last axis. ``walsh``: the [n, n] matrix, or its Kronecker factors
+    (W_a [a, a], W_b [b, b]) (`numerics.walsh_factor_sizes`) for two small products instead of one
+    product with the matrix (`NeedleModel.walsh` picks which)."""
+    if isinstance(walsh, torch.Tensor):
+        return z @ walsh
+    walsh_a, walsh_b = walsh
+    a, b = walsh_a.shape[0], walsh_b.shape[0]
+    z = z.reshape(*z.shape[:-1], a, b) @ walsh_b  # [..., a, b]
+    return (walsh_a @ z).reshape(*z.shape[:-2], a * b)  # W_a is symmetric: W_a^T Z = W_a Z
+
+
+def architecture_constant(name: str, config: NeedleConfig) -> np.ndarray:
+    """A constant table of the architecture: ``walsh`` [n, n] (the MLPs' orthonormal Walsh-Hadamard
+    matrix), ``walsh_a`` [a, a] and ``walsh_b`` [b, b] (its Kronecker factors,
+    `numerics.walsh_factor_sizes`), ``rope_inverse_frequencies`` [head_dim // 2], ``pre_offsets`` /
+    ``post_offsets`` [layers, L] (hyper-connection lane ownership)."""
+    if name == "walsh":
+        return walsh_matrix(config.hadamard_size)
+    if name in ("walsh_a", "walsh_b"):
+        return walsh_matrix(walsh_factor_sizes(config.hadamard_size)[name == "walsh_b"])
+    if name == "rope_inverse_frequencies":
+        return rope_inverse_frequencies(config.head_dim, config.rope_theta)
+    if name in ("pre_offsets", "post_offsets"):
+        offsets = hyper_connection_offsets(config.num_hidden_layers, config.hyper_connection_lanes)
+        return offsets[0] if name == "pre_offsets" else offsets[1]
+    raise KeyError(f"no constant table named {name!r}")
+
+
+def walsh_operand(
+    config: NeedleConfig, table: Callable[[str], torch.Tensor]
+) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """What the MLPs' `walsh_transform` reads, from ``table(name)`` (an `architecture_constant`): the
+    Kronecker factors (two small products, ~10x fewer multiply-adds than the [n, n] matrix), or with
+    deploy numerics the matrix, whose order of summation the reference's 4-bit KV levels were rounded from."""
+    operand = tuple(table(name) for name in walsh_operand_names(deploy_numerics=bool(config.deploy_numerics)))
+    return operand[0] if len(operand) == 1 else operand
+
+
+def lane_mean(lanes: torch.Tensor) -> torch.Tensor:
+    """Mean over the hyper-connection lanes [B, S, L, d] -> [B, S, d], accumulated in float32."""
+    return lanes.float().mean(dim=2).to(lanes.dtype)
+
+
+def engram_hash_indices(tokens: torch.Tensor, orders, num_heads: int, slots: int) -> torch.Tensor:
+    """Hash-table rows [B, T, tables] of the n-grams ending at each position (tokens before the start are 0).
+
+    32-bit FNV-style hash in int64 arithmetic: a state below 2**32 times the prime stays below 2**63.
+    All tables are hashed together (integer arithmetic, so exactly as one at a time): token ``t - back``
+    is folded into the tables whose order exceeds ``back``.
+    """
+    tokens = tokens.long()
+    device = tokens.device
+    seeds = torch.tensor(engram_table_seeds(len(orders), num_heads), dtype=torch.long, device=device)  # [tables]
+    table_orders = torch.tensor(engram_table_orders(orders, num_heads), device=device)  # [tables]
+    acc = seeds.expand(*tokens.shape, -1)  # [B, T, tables]
+    for back in range(max(orders)):
+        folded = ((acc ^ shift_right(tokens, back)[..., None]) * ENGRAM_HASH_PRIME) & UINT32_MASK
+        acc = folded if back < min(orders) else torch.where(table_orders > back, folded, acc)
+    acc = acc ^ (acc >> ENGRAM_HASH_SHIFT)
+    return acc % slots
