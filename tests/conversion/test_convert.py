@@ -129,7 +129,7 @@ def test_folder_holds_config_generation_config_and_the_native_tensors(converted,
         "deploy_numerics_flax.py", "generation_config.json", "generation_needle.py", "heads_flax_needle.py",
         "heads_needle.py", "loading_flax_needle.py", "loading_needle.py", "masking_flax_needle.py",
         "masking_needle.py", "model.safetensors", "modeling_flax_needle.py", "modeling_needle.py", "mtp_option.py",
-        "numerics.py", "ops_flax_needle.py", "ops_needle.py", "remote_code.py", "special_tokens_map.json",
+        "norms_flax_needle.py", "norms_needle.py", "numerics.py", "ops_flax_needle.py", "ops_needle.py", "remote_code.py", "special_tokens_map.json",
         "specification_needle.py", "speculative.py", "speculative_flax.py", "tokenizer.json", "tokenizer_config.json",
         "weight_names.py",
     ]

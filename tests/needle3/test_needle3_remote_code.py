@@ -28,8 +28,9 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 V5_PYTHON = REPO_ROOT / ".venv-v5" / "bin" / "python"
 LOGIT_TOLERANCE = 1e-5
 SHIPPED = [
-    "config_fields.py", "configuration_needle3.py", "modeling_flax_needle3.py", "modeling_needle3.py", "numerics.py",
-    "remote_code_needle3.py", "weight_names.py", "weight_names_needle3.py",
+    "config_fields.py", "configuration_needle3.py", "modeling_flax_needle3.py", "modeling_needle3.py", "norms_flax_needle.py",
+    "norms_needle.py", "numerics.py", "remote_code_needle3.py", "specification_needle.py", "weight_names.py",
+    "weight_names_needle3.py",
 ]
 CONFIG = dict(
     vocab_size=120, hidden_size=40, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3, head_dim=6,

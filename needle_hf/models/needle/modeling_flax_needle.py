@@ -64,14 +64,13 @@ from .ops_flax_needle import (
     engram_hash_indices,
     log_space_sinkhorn,
     normal_initializer,
-    rms_unit,
     rope_tables,
     shift_right,
     sinkhorn,
     walsh_operand,
     walsh_transform,
-    zero_centred_rms_norm,
 )
+from .norms_flax_needle import rms_unit, zero_centred_rms_norm
 from .specification_needle import NeedleWeightsError, check_positions, embedding_scale, prompt_ids_error
 
 # transformers copies only a model file's own relative imports out of a local folder

@@ -110,14 +110,13 @@ from .ops_needle import (
     engram_hash_indices,
     lane_mean,
     log_space_sinkhorn,
-    rms_unit,
     rope_tables,
     shift_right,
     sinkhorn,
     walsh_operand,
     walsh_transform,
-    zero_centred_rms_norm,
 )
+from .norms_needle import NeedleRMSNorm, rms_unit, zero_centred_rms_norm
 from .generation_needle import NeedleGenerationMixin, check_prompt_ids
 from .heads_needle import NeedleConfidenceHead, NeedleContrastiveHead, probe_pool, tied_logits
 from .specification_needle import (
@@ -213,21 +212,6 @@ class NeedleStepInputs:
 
 # --------------------------------------------------------------------------------------------------
 # Modules
-
-
-class NeedleRMSNorm(nn.Module):
-    """Zero-centred RMS norm: the gain is ``1 + weight`` (weight initialised to 0)."""
-
-    def __init__(self, width: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(width))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return zero_centred_rms_norm(x, self.weight, self.eps)
-
-    def extra_repr(self) -> str:
-        return f"{self.weight.shape[0]}, eps={self.eps}, gain=1+weight"
 
 
 class NeedleResidualLinear(nn.Linear):

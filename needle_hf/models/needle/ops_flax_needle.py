@@ -21,28 +21,12 @@ from .numerics import (
     walsh_factor_sizes,
     walsh_matrix,
 )
+from .norms_flax_needle import rms_unit, zero_centred_rms_norm  # noqa: F401  (re-exported: the twin ops table)
 from .specification_needle import walsh_operand_names
 
 
 def normal_initializer(std: float):
     return jax.nn.initializers.normal(stddev=std)
-
-
-def zero_centred_rms_norm(x: jnp.ndarray, weight: jnp.ndarray, eps: float) -> jnp.ndarray:
-    """`(1 + weight) * x / sqrt(mean(x^2) + eps)` over the last axis, cast back to x's dtype.
-
-    The mean of squares is float32; `1 + weight` and its product with x are in the parameter/input
-    dtype before the float32 division, as in the reference.
-    """
-    xf = x.astype(jnp.float32)
-    rms = jnp.sqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return ((1 + weight) * x / rms).astype(x.dtype)
-
-
-def rms_unit(x: jnp.ndarray, eps: float) -> jnp.ndarray:
-    """x / rms(x) over the last axis, in float32, no gain."""
-    xf = x.astype(jnp.float32)
-    return xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
 
 
 def _log_space_round(_, log_k):

@@ -27,25 +27,8 @@ from .numerics import (
     walsh_factor_sizes,
     walsh_matrix,
 )
+from .norms_needle import rms_unit, zero_centred_rms_norm  # noqa: F401  (re-exported: the twin ops table)
 from .specification_needle import walsh_operand_names
-
-
-def zero_centred_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``(1 + weight) * x / sqrt(mean(x^2) + eps)`` over the last axis, cast back to ``x``'s dtype.
-
-    The mean of squares is float32; ``1 + weight`` and its product with ``x`` happen in the
-    parameter/input dtype before the float32 division, as in the reference (this matters for fp16
-    checkpoints).
-    """
-    x_f32 = x.float()
-    rms = torch.sqrt((x_f32 * x_f32).mean(dim=-1, keepdim=True) + eps)  # x * x: pow(2) bit for bit, cheaper
-    return (((1 + weight) * x) / rms).to(x.dtype)
-
-
-def rms_unit(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """Float32 ``x / sqrt(mean(x^2) + eps)`` over the last axis, no gain."""
-    x = x.float()
-    return x * torch.rsqrt((x * x).mean(dim=-1, keepdim=True) + eps)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -35,20 +35,11 @@ from ..needle.numerics import (
 # transformers copies a local folder's remote code one relative import deep from the module it loads:
 # the file the weight table reads Needle 2's hyper-connection entries from is a direct import here too.
 from ..needle.weight_names import _hyper_connection_entries  # noqa: F401
+from ..needle.specification_needle import NeedleWeightsError  # noqa: F401  (what weight_names imports: see above)
+from ..needle.norms_flax_needle import rms_unit, zero_centred_rms_norm
 from .configuration_needle3 import Needle3Config
 from .modeling_needle3 import EMBEDDING_NORM_EPS, mlp_permutations
 from .weight_names_needle3 import HEAD_NAMES, Needle3WeightsError, weight_specs
-
-
-def zero_centred_rms_norm(x, weight, eps):
-    xf = x.astype(jnp.float32)
-    rms = jnp.sqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return ((1 + weight) * x / rms).astype(x.dtype)
-
-
-def rms_unit(x, eps):
-    xf = x.astype(jnp.float32)
-    return xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
 
 
 def linear(x, weight):

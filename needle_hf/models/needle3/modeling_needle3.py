@@ -41,6 +41,7 @@ from ..needle.numerics import (
     rope_inverse_frequencies,
     walsh_matrix,
 )
+from ..needle.norms_needle import NeedleRMSNorm, rms_unit, zero_centred_rms_norm
 from .configuration_needle3 import Needle3Config
 
 # Seeds of the Monarch MLP's two fixed permutations (`RandomState(seed).permutation`); with split
@@ -55,19 +56,6 @@ EMBEDDING_NORM_EPS = 1e-12
 
 # --------------------------------------------------------------------------------------------------
 # Numerical building blocks
-
-
-def zero_centred_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``(1 + weight) * x / sqrt(mean(x^2) + eps)`` over the last axis (mean in float32), cast to x's dtype."""
-    x_f32 = x.float()
-    rms = torch.sqrt((x_f32 * x_f32).mean(dim=-1, keepdim=True) + eps)
-    return (((1 + weight) * x) / rms).to(x.dtype)
-
-
-def rms_unit(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """Float32 ``x / sqrt(mean(x^2) + eps)`` over the last axis, no gain."""
-    x = x.float()
-    return x * torch.rsqrt((x * x).mean(dim=-1, keepdim=True) + eps)
 
 
 def log_space_sinkhorn(logits: torch.Tensor, iterations: int = SINKHORN_ITERATIONS) -> torch.Tensor:
@@ -218,16 +206,7 @@ def _tail(full: torch.Tensor, length: int) -> torch.Tensor:
 # Modules
 
 
-class Needle3RMSNorm(nn.Module):
-    """Zero-centred RMS norm: gain ``1 + weight`` (weight initialised to 0)."""
-
-    def __init__(self, width: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(width))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return zero_centred_rms_norm(x, self.weight, self.eps)
+Needle3RMSNorm = NeedleRMSNorm  # the same zero-centred norm as Needle 2's
 
 
 class Needle3ResidualLinear(nn.Linear):
