@@ -70,6 +70,10 @@ def parse_args(argv):
     parser.add_argument("--save-every", type=int, default=100)
     # One thread: on two busy cores, torch's two-thread kernels of these small matrices run slower.
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the weights in needle_hf/demo/smart_home_weights (a new schedule) instead of a fresh model")
+    parser.add_argument("--previous-log", type=Path,
+                        help="with --resume: the earlier run's log, whose step/loss lines go into the figures")
     parser.add_argument("--evaluate-only", action="store_true", help="measure the weights in needle_hf/demo/smart_home_weights")
     parser.add_argument("--results", type=Path, default=RESULTS)
     return parser.parse_args(argv)
@@ -140,8 +144,12 @@ def train(args, work: Path, results: dict) -> None:
     from needle_hf.finetune.trainer import NeedleTrainer
     from needle_hf.models.needle.modeling_needle import NeedleForCausalLM
 
-    print(f"[1/5] a fresh Needle 2 {SMART_HOME_CONFIG} with the Needle 2 tokenizer ({tokenizer_path()})")
-    fresh_folder(work / "base")
+    if args.resume:
+        print(f"[1/5] continuing from {MODEL_DIR}")
+        assemble_smart_home_folder(work / "base")
+    else:
+        print(f"[1/5] a fresh Needle 2 {SMART_HOME_CONFIG} with the Needle 2 tokenizer ({tokenizer_path()})")
+        fresh_folder(work / "base")
     model = NeedleForCausalLM.from_pretrained(work / "base", dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(work / "base")
     print(f"      {sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters")
@@ -189,10 +197,23 @@ def train(args, work: Path, results: dict) -> None:
         callbacks=[Progress()],
     )
     output = trainer.train()
-    results["training"] = {"steps": output.global_step, "batch_size": args.batch_size,
+    results["training"] = {"resumed": args.resume, "steps": output.global_step, "batch_size": args.batch_size,
                            "learning_rate": args.learning_rate, "seconds": round(time.perf_counter() - started),
                            "threads": args.threads, "losses": losses}
     save_weights(model, MODEL_DIR)
+    if args.resume and args.previous_log:
+        results["training_before_resume"] = earlier_run(args.previous_log)
+
+
+def earlier_run(log: Path) -> dict:
+    """Steps, minutes and losses of an earlier run, read from its log's "step N: loss X (M min)" lines."""
+    import re
+
+    lines = re.findall(r"step (\d+): loss ([0-9.]+) \(([0-9.]+) min\)", log.read_text(errors="replace"))
+    saved = re.findall(r"stopping at step (\d+)", log.read_text(errors="replace"))
+    return {"steps": int(saved[-1]) if saved else (int(lines[-1][0]) if lines else 0),
+            "minutes": float(lines[-1][2]) if lines else 0.0,
+            "losses": [[int(step), float(loss)] for step, loss, _ in lines]}
 
 
 def save_weights(model, folder: Path) -> None:

@@ -142,3 +142,13 @@ def test_the_shipped_model_gives_the_recorded_suite_figures(tmp_path):
                     for category, entry in recorded["per_category"].items()}
     assert per_category == recorded["per_category"]
     assert bool(verdict) == recorded["suite_passes"]
+
+
+def test_the_shipped_model_builds_a_cact(tmp_path):
+    from needle_hf.cli import main as needle_hf_main
+    from needle_hf.demo.smart_home_model import tokenizer_path
+
+    folder = assemble_smart_home_folder(tmp_path / "smart_home")
+    assert needle_hf_main(["build", str(folder), str(tmp_path / "smart_home.cact"), "--tokenizer",
+                           str(tokenizer_path())]) == 0
+    assert (tmp_path / "smart_home.cact").stat().st_size > 100_000
