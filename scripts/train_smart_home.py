@@ -72,8 +72,8 @@ def parse_args(argv):
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--resume", action="store_true",
                         help="continue from the weights in needle_hf/demo/smart_home_weights (a new schedule) instead of a fresh model")
-    parser.add_argument("--previous-log", type=Path,
-                        help="with --resume: the earlier run's log, whose step/loss lines go into the figures")
+    parser.add_argument("--previous-log", type=Path, nargs="+",
+                        help="with --resume: the earlier runs' logs, whose step/loss lines go into the figures")
     parser.add_argument("--evaluate-only", action="store_true", help="measure the weights in needle_hf/demo/smart_home_weights")
     parser.add_argument("--results", type=Path, default=RESULTS)
     return parser.parse_args(argv)
@@ -202,7 +202,7 @@ def train(args, work: Path, results: dict) -> None:
                            "threads": args.threads, "losses": losses}
     save_weights(model, MODEL_DIR)
     if args.resume and args.previous_log:
-        results["training_before_resume"] = earlier_run(args.previous_log)
+        results["training_before_resume"] = [earlier_run(log) for log in args.previous_log]
 
 
 def earlier_run(log: Path) -> dict:
@@ -210,7 +210,8 @@ def earlier_run(log: Path) -> dict:
     import re
 
     lines = re.findall(r"step (\d+): loss ([0-9.]+) \(([0-9.]+) min\)", log.read_text(errors="replace"))
-    saved = re.findall(r"stopping at step (\d+)", log.read_text(errors="replace"))
+    saved = re.findall(r"stopping at step (\d+)|'train_runtime'.*?'epoch'", log.read_text(errors="replace"))
+    saved = [step for step in saved if step]
     return {"steps": int(saved[-1]) if saved else (int(lines[-1][0]) if lines else 0),
             "minutes": float(lines[-1][2]) if lines else 0.0,
             "losses": [[int(step), float(loss)] for step, loss, _ in lines]}
