@@ -137,4 +137,10 @@ for entry in ${pids[@]+"${pids[@]}"}; do
         failed=1
     fi
 done
+# The smart-home demo model's tokenizer: the real Needle 2 tokenizer.model from the cactus-needle==2.0.0
+# wheel (pip download; only that file is kept, ignored by git). Skipped when already there.
+if [ "$failed" = 0 ] && [ -x .venv/bin/python ]; then
+    .venv/bin/python -m needle_hf.demo.smart_home_model --fetch-tokenizer >/dev/null \
+        || { echo "[setup] FAILED: fetching the Needle 2 tokenizer (cactus-needle==2.0.0)" >&2; failed=1; }
+fi
 exit $failed
