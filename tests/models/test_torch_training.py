@@ -112,7 +112,7 @@ def test_use_cache_is_a_config_field(state):
 def test_generate_runs_on_one_cpu_thread_unless_the_user_chose_threads(state, monkeypatch):
     from transformers import GenerationMixin
 
-    from needle_hf import modeling_needle
+    from needle_hf.models.needle import generation_needle
 
     seen = []
     monkeypatch.setattr(GenerationMixin, "generate", lambda self, *args, **kwargs: seen.append(torch.get_num_threads()))
@@ -120,7 +120,7 @@ def test_generate_runs_on_one_cpu_thread_unless_the_user_chose_threads(state, mo
     model = fresh_model(state).eval()
     torch.set_num_threads(2)
     try:
-        monkeypatch.setattr(modeling_needle, "_THREADS_AT_IMPORT", 2)  # two threads is torch's default here
+        monkeypatch.setattr(generation_needle, "_THREADS_AT_IMPORT", 2)  # two threads is torch's default here
         model.generate(torch.ones(1, 3, dtype=torch.long))
         assert torch.get_num_threads() == 2  # restored
         monkeypatch.setenv("OMP_NUM_THREADS", "2")  # the user's choice

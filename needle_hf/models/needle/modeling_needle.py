@@ -1108,6 +1108,8 @@ class NeedleForCausalLM(NeedlePreTrainedModel, NeedleGenerationMixin):
     _tied_weights_keys = _TIED_WEIGHTS_KEYS
     # The forward takes `num_items_in_batch` (so `Trainer` leaves the loss normalisation to it).
     accepts_loss_kwargs = True
+    # PreTrainedModel has its own `get_compiled_call` and comes before the mixin in the MRO.
+    get_compiled_call = NeedleGenerationMixin.get_compiled_call
 
     def __init__(self, config: NeedleConfig):
         super().__init__(config)
