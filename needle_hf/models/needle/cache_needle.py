@@ -64,7 +64,7 @@ class NeedleEngramCacheLayer:
     engram_ids: Optional[torch.Tensor] = None
 
     def update_engram_ids(self, input_ids: torch.Tensor, cache_position: torch.Tensor, history: int) -> torch.Tensor:
-        """Store the new ids [B, S] at ``cache_position`` [S]; return the ``history`` ids before them
+        """Store the new ids [B, T] at ``cache_position`` [T]; return the ``history`` ids before them
         [B, history] (0 before the text)."""
         raise NotImplementedError
 

@@ -36,7 +36,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
     Written as ``x * cos + [-x2, x1] * sin`` with each table repeated over both halves: the same
     products and sums, bit for bit (negation is exact), in 5 tensor ops instead of 8.
-    x: [B, heads, S, head_dim]; cos, sin: [B, 1, S, head_dim] float32 (each half the same).
+    x: [B, N, T, H]; cos, sin: [B, 1, T, H] float32 (each half the same).
     """
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
@@ -75,7 +75,7 @@ def sinkhorn(logits: torch.Tensor, iterations: int = SINKHORN_ITERATIONS) -> tor
     ``k = exp(logits - max)`` normalised by row sums, then column sums, per round, is the same
     computation in exact arithmetic. It takes 2 tensor ops per half-round instead of about 9 (a
     logsumexp is max, subtract, exp, sum, log, add, with infinity guards); the routing matrices are
-    tiny ([B, S, 4, 4], 20 rounds in each of 27 layers), so op count is all their cost in decoding.
+    tiny ([B, T, 4, 4], 20 rounds in each of 27 layers), so op count is all their cost in decoding.
 
     Linear space could underflow where one matrix's logits spread far (see
     ``SINKHORN_LINEAR_SPACE_MAX_SPREAD``); such matrices take the log-space result. Run eagerly, the
@@ -147,7 +147,7 @@ def walsh_operand(
 
 
 def lane_mean(lanes: torch.Tensor) -> torch.Tensor:
-    """Mean over the hyper-connection lanes [B, S, L, d] -> [B, S, d], accumulated in float32."""
+    """Mean over the hyper-connection lanes [B, T, L, D] -> [B, T, D], accumulated in float32."""
     return lanes.float().mean(dim=2).to(lanes.dtype)
 
 

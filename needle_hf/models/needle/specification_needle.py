@@ -20,7 +20,9 @@ in einsum strings):
                                                               lane-mixing matrix
   C     engram context positions                        E     engram input width (tables * sub_dim)
   W     Hadamard width (a power of two >= D)            P     pooling probes
-  F     pooled cells (position, layer) of probe pooling
+  F     pooled cells (position, layer) of probe         R     engram lookback reach (a token and
+        pooling                                               the engram_history positions before it)
+  Q     sequences of a packed batch                     M     positions of one packed sequence
   ====  ==============================================  ====  =====================================
 
 One numerical choice per op (both models; the compute dtype is the parameters' dtype):
