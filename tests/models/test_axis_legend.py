@@ -64,7 +64,7 @@ def shape_annotations(text: str) -> list[list[str]]:
         if not all(_ITEM.match(item) for item in items):
             continue
         words = [word for item in items for word in _WORD.findall(item)]
-        if any(word.isupper() for word in words):
+        if any(word.isupper() or word in STAND_INS for word in words):
             shapes.append(words)
     return shapes
 
@@ -81,6 +81,7 @@ def test_shape_parser_reads_shapes_and_skips_prose():
     assert shape_annotations("[..., N + 1] [B, T - first_output, tables]") == [
         ["N"], ["B", "T", "first_output", "tables"]]
     assert shape_annotations("dict[str, int], x[index], [Cache, CacheLayerMixin], [x1 cos - x2 sin]") == []
+    assert shape_annotations("cos [..., hd]; [d, 2 * attention_dim]") == [["hd"], ["d", "attention_dim"]]
 
 
 @pytest.mark.parametrize("name", TWIN_FILES)

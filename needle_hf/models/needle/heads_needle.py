@@ -15,7 +15,7 @@ from .numerics import CONFIDENCE_PROBES, CONTRASTIVE_NORM_EPS, CONTRASTIVE_PROBE
 
 
 def tied_logits(hidden: torch.Tensor, embedding_weight: torch.Tensor) -> torch.Tensor:
-    """Float32 ``hidden @ E.T``: [..., d] -> [..., V] (the output head is the token embedding)."""
+    """Float32 ``hidden @ E.T``: [..., D] -> [..., V] (the output head is the token embedding)."""
     return hidden.float() @ embedding_weight.float().T
 
 

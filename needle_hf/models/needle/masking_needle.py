@@ -133,7 +133,7 @@ class PackedLayout:
 
 
 def packed_lookback(segment_ids: torch.Tensor, key_visible: torch.Tensor, width: int) -> torch.Tensor:
-    """`engram_lookback` of a packed batch without a cache: [B, T, width], whether token t sees t - k
+    """`engram_lookback` of a packed batch without a cache: [B, T, R], whether token t sees t - k
     (visible, and in the same sequence); segment_ids, key_visible: [B, T]."""
     batch, length = segment_ids.shape
     back = torch.arange(length, device=segment_ids.device)[:, None] - torch.arange(width, device=segment_ids.device)
@@ -166,7 +166,7 @@ def attention_sees_from_4d(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 def engram_lookback(sees: torch.Tensor, past_length, width: int) -> torch.Tensor:
-    """[B, T, width] bool: whether new token t (at ``past_length + t``) sees the position k before it,
+    """[B, T, R] bool: whether new token t (at ``past_length + t``) sees the position k before it,
     read off ``sees`` [B, T, S] (query t, key position); False before the first position."""
     batch, length, keys = sees.shape
     device = sees.device

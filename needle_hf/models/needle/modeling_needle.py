@@ -185,7 +185,7 @@ class NeedleStepInputs:
         for flex attention the same mask as a `BlockMask`.
     cos, sin: [B, 1, T, H] float32 RoPE tables of the new positions (both halves the same).
     cache_position: [T] positions of the new tokens in the cache (where their keys are written).
-    walsh: [n, n] Walsh-Hadamard matrix (compute dtype), or its Kronecker factors (`walsh_transform`).
+    walsh: [W, W] Walsh-Hadamard matrix (compute dtype), or its Kronecker factors (`walsh_transform`).
     pre_offsets, post_offsets: [layers, L] float32 lane-ownership offsets of the hyper-connection
         logits (`numerics.hyper_connection_offsets`).
     attention_implementation: the attention function to use instead of the config's (a compiled
@@ -326,7 +326,7 @@ class NeedleHadamardMLP(nn.Module):
     def forward(self, x: torch.Tensor, walsh: Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """x: [B, T, D], walsh: the Walsh matrix or its Kronecker factors (`walsh_transform`) -> [B, T, D]."""
         padding = self.diag_in.shape[0] - self.hidden_size
-        z = F.pad(x, (0, padding)) if padding else x  # [B, T, n]
+        z = F.pad(x, (0, padding)) if padding else x  # [B, T, W]
         z = walsh_transform(self.diag_in * z, walsh)
         z = walsh_transform(F.silu(self.diag_hidden * z), walsh)
         return (self.diag_out * z)[..., : self.hidden_size]
