@@ -8,7 +8,7 @@
   `DynamicLayer` / `StaticLayer` subclass swapped in on first use), so `DynamicCache` and
   `StaticCache` carry the whole decoding state through cropping, beam reordering and compiled steps.
 
-Shapes: B batch, S new tokens, history = `NeedleConfig.engram_history`.
+Shapes use the axis legend of `specification_needle`; history = `NeedleConfig.engram_history`.
 """
 
 from __future__ import annotations

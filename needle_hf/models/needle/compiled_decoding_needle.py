@@ -6,8 +6,7 @@ variant, then every layer calls the same program on its own tensors; the engram 
 ``torch.compile``d; the few ops between layers stay eager (see `LayerCompiledCall`). Why this shape
 and what it costs: docs/decoding.md and benchmarks/README.md.
 
-Shapes: B batch, S new tokens, L hyper-connection lanes, d width, KV key/value heads, K cache
-length, hd head width, V vocabulary.
+Shapes use the axis legend of `specification_needle` (here S is a static cache's length).
 """
 
 from __future__ import annotations

@@ -160,7 +160,7 @@ def eager_attention_forward(
 
     query: [B, N, T, H]; key, value: [B, K, S, H]; attention_mask: additive [B, 1, T, S].
     Returns (output [B, T, N, H], probabilities [B, N, T, S] float32, on the autograd path).
-    Query head h reads key/value head h // (H / KV): the queries of a group are stacked against their
+    Query head h reads key/value head h // G (G = N / K): the queries of a group are stacked against their
     one key/value head ([B, K, G * T, H]) rather than the keys and values repeated per head.
     Other keyword arguments of the attention-function interface are not used by this kernel.
     """
