@@ -2,10 +2,10 @@
 
 The forward pass reproduces the reference implementation (cactus-needle 2.x) step by step:
 
-1. ``x0 = E[tokens] * sqrt(d)``.
+1. ``x0 = E[tokens] * sqrt(D)``.
 2. Engram memory: each engram site hashes the n-grams ending at every position into its tables,
    projects the fetched rows to a key and a value, and smooths the value with a causal dilated
-   convolution. The layer that owns the site adds ``sigmoid(<u, key> / sqrt(d)) * value`` to its
+   convolution. The layer that owns the site adds ``sigmoid(<u, key> / sqrt(D)) * value`` to its
    input.
 3. Hyper-connections: the residual stream is ``hyper_connection_lanes`` lanes; every layer reads a
    mix of the lanes, runs the block on it and writes the result back through a Sinkhorn-normalised
@@ -563,7 +563,7 @@ def engram_window_memory(
 
 
 class NeedleMultiTokenPrediction(nn.Module):
-    """MTP head: ``block(cat(h, norm(E[next] * sqrt(d))) W)`` then a norm; its tied logits predict token t + 2."""
+    """MTP head: ``block(cat(h, norm(E[next] * sqrt(D))) W)`` then a norm; its tied logits predict token t + 2."""
 
     def __init__(self, config: NeedleConfig):
         super().__init__()
@@ -578,7 +578,7 @@ class NeedleMultiTokenPrediction(nn.Module):
     def forward(
         self, hidden: torch.Tensor, next_embedded: torch.Tensor, step: NeedleStepInputs, cache: Optional[Cache] = None
     ) -> torch.Tensor:
-        """hidden: [B, T, D] final-normed backbone output; next_embedded: [B, T, D] float32 ``E[t+1] * sqrt(d)``;
+        """hidden: [B, T, D] final-normed backbone output; next_embedded: [B, T, D] float32 ``E[t+1] * sqrt(D)``;
         cache: the MTP block's own one-layer cache of the positions before these (None: the whole text)."""
         combined = torch.cat([hidden, self.embed_norm(next_embedded).to(hidden.dtype)], dim=-1)
         combined = quantize_activations(combined, self.config)  # deploy numerics hook
@@ -950,7 +950,7 @@ class NeedleModel(NeedlePreTrainedModel):
         return layer
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Float32 ``E[tokens] * sqrt(d)`` [B, T, D] (the reference scales before casting to the compute dtype)."""
+        """Float32 ``E[tokens] * sqrt(D)`` [B, T, D] (the reference scales before casting to the compute dtype)."""
         return self.embed_tokens(input_ids).float() * self.embed_scale
 
     def forward(
