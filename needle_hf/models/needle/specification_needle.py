@@ -7,7 +7,7 @@ helpers each defines. `tests/models/test_twin_ops.py` runs both models' helpers 
 `tests/models/test_ops_parity.py` pins them to the NumPy statement (`conversion/native_forward.py`).
 
 Axis legend (shape comments and einsum strings of both models and the NumPy statement; lower case
-in einsum strings):
+in einsum strings; `tests/models/test_axis_legend.py` holds every bracketed shape of both models to it):
 
   ====  ==============================================  ====  =====================================
   B     batch                                           V     vocabulary
