@@ -8,7 +8,7 @@
   `DynamicLayer` / `StaticLayer` subclass swapped in on first use), so `DynamicCache` and
   `StaticCache` carry the whole decoding state through cropping, beam reordering and compiled steps.
 
-Shapes: B batch, S new tokens, history = `NeedleConfig.engram_history`.
+Shapes use the axis legend of `specification_needle`; history = `NeedleConfig.engram_history`.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ class NeedleEngramCacheLayer:
     engram_ids: Optional[torch.Tensor] = None
 
     def update_engram_ids(self, input_ids: torch.Tensor, cache_position: torch.Tensor, history: int) -> torch.Tensor:
-        """Store the new ids [B, S] at ``cache_position`` [S]; return the ``history`` ids before them
+        """Store the new ids [B, T] at ``cache_position`` [T]; return the ``history`` ids before them
         [B, history] (0 before the text)."""
         raise NotImplementedError
 

@@ -6,8 +6,7 @@ variant, then every layer calls the same program on its own tensors; the engram 
 ``torch.compile``d; the few ops between layers stay eager (see `LayerCompiledCall`). Why this shape
 and what it costs: docs/decoding.md and benchmarks/README.md.
 
-Shapes: B batch, S new tokens, L hyper-connection lanes, d width, KV key/value heads, K cache
-length, hd head width, V vocabulary.
+Shapes use the axis legend of `specification_needle` (here S is a static cache's length).
 """
 
 from __future__ import annotations
@@ -31,7 +30,7 @@ class NeedleCompiledParts:
     layers: one callable per decoder layer, taking the layer's arguments (`_CompiledDecoderLayer`).
     engram_memory: ``torch.compile`` of `NeedleModel.engram_memory` (hashes, table rows, projections
     and convolutions of every engram site as one graph instead of ~150 eager ops).
-    output_head: hidden [B, S, d] -> float32 logits [B, S, V], as `NeedleForCausalLM.tied_logits`.
+    output_head: hidden [B, T, D] -> float32 logits [B, T, V], as `NeedleForCausalLM.tied_logits`.
     """
 
     layers: tuple
@@ -40,8 +39,8 @@ class NeedleCompiledParts:
 
 
 class _StaticKeysInPlace(CacheLayerMixin):
-    """A static cache layer's keys and values [B, KV, K, hd] inside a traced decoding step: `update`
-    writes the new ones in place at ``positions`` [S] and returns the whole tensors, as `StaticLayer`."""
+    """A static cache layer's keys and values [B, K, S, H] inside a traced decoding step: `update`
+    writes the new ones in place at ``positions`` [T] and returns the whole tensors, as `StaticLayer`."""
 
     is_compileable = True
 
@@ -230,7 +229,7 @@ class LayerCompiledCall:
         return self._step_key_value
 
     def _zeros(self, lanes: torch.Tensor) -> torch.Tensor:
-        """Zeros [B, S, d] in the dtype of ``lanes`` [B, S, L, d]: the engram key and value of a layer without a site."""
+        """Zeros [B, T, D] in the dtype of ``lanes`` [B, T, L, D]: the engram key and value of a layer without a site."""
         batch, length, _, width = lanes.shape
         zeros = self._zero_engram
         if zeros is None or zeros.shape != (batch, length, width) or zeros.dtype != lanes.dtype or zeros.device != lanes.device:
@@ -268,8 +267,8 @@ class LayerCompiledCall:
         return lanes, None
 
     def output_head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """`NeedleForCausalLM.tied_logits` over a transposed copy of the tied embedding [d, V], made again
-        when the embedding changes: a one-row product reads it faster than the [V, d] table."""
+        """`NeedleForCausalLM.tied_logits` over a transposed copy of the tied embedding [D, V], made again
+        when the embedding changes: a one-row product reads it faster than the [V, D] table."""
         weight = self.model.lm_head.weight
         made_from = self._head_made_from
         if made_from is None or made_from[0] is not weight or made_from[1] != weight._version:

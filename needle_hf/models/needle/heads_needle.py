@@ -15,14 +15,14 @@ from .numerics import CONFIDENCE_PROBES, CONTRASTIVE_NORM_EPS, CONTRASTIVE_PROBE
 
 
 def tied_logits(hidden: torch.Tensor, embedding_weight: torch.Tensor) -> torch.Tensor:
-    """Float32 ``hidden @ E.T``: [..., d] -> [..., V] (the output head is the token embedding)."""
+    """Float32 ``hidden @ E.T``: [..., D] -> [..., V] (the output head is the token embedding)."""
     return hidden.float() @ embedding_weight.float().T
 
 
 def probe_pool(cells: torch.Tensor, keep: torch.Tensor, probes: torch.Tensor) -> torch.Tensor:
     """Attention pooling of every (position, layer) cell by learned probes.
 
-    cells: [B, T, L + 1, d] float32; keep: [B, T] bool; probes: [K, d] -> [B, K * d] float32.
+    cells: [B, T, L + 1, D] float32; keep: [B, T] bool; probes: [P, D] -> [B, P * D] float32.
     """
     batch, length, depth, width = cells.shape
     flat = cells.reshape(batch, length * depth, width)

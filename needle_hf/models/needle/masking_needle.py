@@ -21,29 +21,29 @@ from .specification_needle import attention_rule
 def attention_allowed(
     key_visible: torch.Tensor, past_length: int, query_length: int, group: int, *, window: int = 0
 ) -> torch.Tensor:
-    """Boolean attention mask [B, 1, group * S, K]: causal, restricted to visible keys (and, with
+    """Boolean attention mask [B, 1, group * T, S]: causal, restricted to visible keys (and, with
     ``window > 0``, to the last ``window`` key slots: the engine's sliding KV window, see `kv_window.py`),
     and always the query itself.
 
-    key_visible: [B, K] (K = past + S, or the length of a static cache); past_length may be a 0-d tensor.
+    key_visible: [B, S] (S = past + T, or the length of a static cache); past_length may be a 0-d tensor.
     A query attending to itself keeps padding rows (which see no visible key) finite and independent
-    of other positions, as in the Flax model. The [S, K] rows repeat ``group`` times (group = 1 gives
-    the [B, 1, S, K] mask of the attention functions).
+    of other positions, as in the Flax model. The [T, S] rows repeat ``group`` times (group = 1 gives
+    the [B, 1, T, S] mask of the attention functions).
     """
     device = key_visible.device
-    query_positions = torch.arange(query_length, device=device) + past_length  # [S]
-    key_positions = torch.arange(key_visible.shape[1], device=device)  # [K]
+    query_positions = torch.arange(query_length, device=device) + past_length  # [T]
+    key_positions = torch.arange(key_visible.shape[1], device=device)  # [S]
     allowed = attention_rule(query_positions[:, None], key_positions[None, :], key_visible[:, None, :], window=window)
-    return (allowed.repeat(1, group, 1) if group > 1 else allowed)[:, None]  # [B, 1, group * S, K]
+    return (allowed.repeat(1, group, 1) if group > 1 else allowed)[:, None]  # [B, 1, group * T, S]
 
 
 def default_position_ids(
     attention_mask: Optional[torch.Tensor], past_length: int, length: int, batch: int, device
 ) -> torch.Tensor:
-    """Positions [B, S] of the new tokens: ``cumsum(mask) - 1`` over the whole mask (padding does not
+    """Positions [B, T] of the new tokens: ``cumsum(mask) - 1`` over the whole mask (padding does not
     advance the position), or ``past_length + arange(S)`` without a mask. The mask may run past the new
     tokens (a static cache's full length); past_length may be a 0-d tensor."""
-    new_positions = torch.arange(length, device=device) + past_length  # [S]
+    new_positions = torch.arange(length, device=device) + past_length  # [T]
     if attention_mask is None:
         return new_positions[None].expand(batch, -1)
     positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
@@ -51,22 +51,22 @@ def default_position_ids(
 
 
 def packed_segment_ids(position_ids: torch.Tensor) -> Optional[torch.Tensor]:
-    """Sequence index [B, S] of every token of a padding-free (packed) batch, or None when no row packs.
+    """Sequence index [B, T] of every token of a padding-free (packed) batch, or None when no row packs.
 
     transformers' convention (`find_packed_sequence_indices`, TRL's padding-free collator,
     `DataCollatorWithFlattening`): a position that is not its predecessor's plus one starts a sequence.
-    position_ids: [B, S].
+    position_ids: [B, T].
     """
     starts = torch.ones_like(position_ids, dtype=torch.bool)
     starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
-    segments = starts.long().cumsum(-1) - 1  # [B, S], 0 for the first sequence
+    segments = starts.long().cumsum(-1) - 1  # [B, T], 0 for the first sequence
     if not (is_torchdynamo_compiling() or torch.compiler.is_exporting()) and not bool(segments[:, -1].any()):
         return None
     return segments
 
 
 def segment_ids_from_cu_seq_lens(cu_seq_lens: torch.Tensor, length: int) -> torch.Tensor:
-    """Sequence index [1, S] of a flattened row from its cumulative sequence lengths [N + 1] (the varlen
+    """Sequence index [1, T] of a flattened row from its cumulative sequence lengths [Q + 1] (the varlen
     kernels' ``cu_seq_lens_q``: 0, end of sequence 1, ..., S)."""
     cu_seq_lens = cu_seq_lens.long().flatten()
     if cu_seq_lens.numel() < 2 or int(cu_seq_lens[0]) != 0 or int(cu_seq_lens[-1]) != length or bool(
@@ -84,9 +84,9 @@ def segment_ids_from_cu_seq_lens(cu_seq_lens: torch.Tensor, length: int) -> torc
 class PackedLayout:
     """Where the tokens of a packed batch sit when its sequences are laid out one per row for attention.
 
-    index: [N, L] flat position (b * S + t) of each sequence's tokens, N sequences of up to L tokens
-    (0 where a sequence is shorter); inverse: [B * S] place of each token in the [N * L] layout.
-    Attention over [N, L] rows costs sum-over-sequences L^2 rather than S^2 per packed row.
+    index: [Q, M] flat position (b * T + t) of each sequence's tokens, Q sequences of up to M tokens
+    (0 where a sequence is shorter); inverse: [B * T] place of each token in the [Q * M] layout.
+    Attention over [Q, M] rows costs sum-over-sequences M^2 rather than T^2 per packed row.
     """
 
     index: torch.Tensor
@@ -96,18 +96,18 @@ class PackedLayout:
     def of(cls, segment_ids: torch.Tensor) -> "PackedLayout":
         batch, length = segment_ids.shape
         device = segment_ids.device
-        flat_segments = (segment_ids + torch.arange(batch, device=device)[:, None] * length).flatten()  # [B * S]
+        flat_segments = (segment_ids + torch.arange(batch, device=device)[:, None] * length).flatten()  # [B * T]
         _, sequence, counts = torch.unique_consecutive(flat_segments, return_inverse=True, return_counts=True)
         starts = counts.cumsum(0) - counts
         offsets = torch.arange(batch * length, device=device) - starts[sequence]
         longest = int(counts.max())
-        inverse = sequence * longest + offsets  # [B * S]
+        inverse = sequence * longest + offsets  # [B * T]
         index = torch.zeros(counts.numel() * longest, dtype=torch.long, device=device)
         index[inverse] = torch.arange(batch * length, device=device)
         return cls(index=index.view(-1, longest), inverse=inverse)
 
     def attention_allowed(self, window: int = 0) -> torch.Tensor:
-        """Boolean [N, 1, L, L]: causal within each sequence, and always the query itself (the layout's
+        """Boolean [Q, 1, M, M]: causal within each sequence, and always the query itself (the layout's
         empty slots see only themselves, so their rows stay finite)."""
         sequences, longest = self.index.shape
         device = self.index.device
@@ -121,30 +121,30 @@ class PackedLayout:
         return ((causal[None] & filled.view(sequences, 1, longest)) | itself[None])[:, None]
 
     def pack(self, x: torch.Tensor) -> torch.Tensor:
-        """[B, heads, S, hd] -> [N, heads, L, hd]."""
+        """[B, N, T, H] -> [Q, N, M, H]."""
         batch, heads, length, width = x.shape
         flat = x.transpose(1, 2).reshape(batch * length, heads, width)
         return flat[self.index].transpose(1, 2)
 
     def unpack(self, x: torch.Tensor, batch: int) -> torch.Tensor:
-        """[N, L, heads, hd] (an attention function's output) -> [B, S, heads, hd]."""
+        """[Q, M, N, H] (an attention function's output) -> [B, T, N, H]."""
         sequences, longest, heads, width = x.shape
         return x.reshape(sequences * longest, heads, width)[self.inverse].view(batch, -1, heads, width)
 
 
 def packed_lookback(segment_ids: torch.Tensor, key_visible: torch.Tensor, width: int) -> torch.Tensor:
-    """`engram_lookback` of a packed batch without a cache: [B, S, width], whether token t sees t - k
-    (visible, and in the same sequence); segment_ids, key_visible: [B, S]."""
+    """`engram_lookback` of a packed batch without a cache: [B, T, R], whether token t sees t - k
+    (visible, and in the same sequence); segment_ids, key_visible: [B, T]."""
     batch, length = segment_ids.shape
     back = torch.arange(length, device=segment_ids.device)[:, None] - torch.arange(width, device=segment_ids.device)
-    earlier = back.clamp(min=0)[None].expand(batch, -1, -1)  # [B, S, W]
+    earlier = back.clamp(min=0)[None].expand(batch, -1, -1)  # [B, T, R]
     same = segment_ids.gather(1, earlier.reshape(batch, -1)).view(batch, length, width) == segment_ids[..., None]
     visible = key_visible.gather(1, earlier.reshape(batch, -1)).view(batch, length, width)
     return same & visible & (back >= 0)[None]
 
 
 def attention_sees_from_4d(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Boolean [B, Q, K] (True: the query attends the key) of a custom 4-D attention mask [B, 1, Q, K]:
+    """Boolean [B, T, S] (True: the query attends the key) of a custom 4-D attention mask [B, 1, T, S]:
     a boolean mask (True = attend) or an additive float one (0 = attend, a large negative number or
     -inf = masked, as transformers' own 4-D masks)."""
     if attention_mask.dtype == torch.bool:
@@ -166,11 +166,11 @@ def attention_sees_from_4d(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 def engram_lookback(sees: torch.Tensor, past_length, width: int) -> torch.Tensor:
-    """[B, S, width] bool: whether new token t (at ``past_length + t``) sees the position k before it,
-    read off ``sees`` [B, S, K] (query t, key position); False before the first position."""
+    """[B, T, R] bool: whether new token t (at ``past_length + t``) sees the position k before it,
+    read off ``sees`` [B, T, S] (query t, key position); False before the first position."""
     batch, length, keys = sees.shape
     device = sees.device
-    back = torch.arange(length, device=device)[:, None] + past_length - torch.arange(width, device=device)  # [S, W]
+    back = torch.arange(length, device=device)[:, None] + past_length - torch.arange(width, device=device)  # [T, R]
     gathered = sees.gather(2, back.clamp(0, keys - 1)[None].expand(batch, -1, -1))
     return gathered & (back >= 0)[None]
 
@@ -185,9 +185,9 @@ def check_engram_lookback(lookback: torch.Tensor, real: torch.Tensor, config: Ne
     n-grams of the positions its taps read reach. Causal, padding and packed (block-diagonal) masks
     satisfy this; shared-prefix and tree masks, where a branch sits right after a sibling, do not.
 
-    lookback: [B, S, W] (`engram_lookback`); real: [B, S, W] whether that position is real text.
+    lookback: [B, T, R] (`engram_lookback`); real: [B, T, R] whether that position is real text.
     """
-    hole = ~lookback & real  # [B, S, W]
+    hole = ~lookback & real  # [B, T, R]
     hole_before = torch.cummax(hole.int(), dim=-1).values.bool()  # a hole at or before k
     violation = lookback[..., 1:] & hole_before[..., :-1]  # sees k while a real token nearer is hidden
     # Row t sees its tap source s = t - d*j and s's n-gram reaches s - m: t must see s - m as well.
@@ -197,7 +197,7 @@ def check_engram_lookback(lookback: torch.Tensor, real: torch.Tensor, config: Ne
         k = j * dilation
         if k >= length:
             break
-        source = F.pad(lookback[:, : length - k], (0, 0, k, 0))  # row t - k of the new tokens, [B, S, W]
+        source = F.pad(lookback[:, : length - k], (0, 0, k, 0))  # row t - k of the new tokens, [B, T, R]
         for m in range(1, max(config.engram_orders)):
             if k + m < width:
                 leak = lookback[..., k] & source[..., m] & ~lookback[..., k + m] & real[..., k + m]
@@ -213,7 +213,7 @@ def check_engram_lookback(lookback: torch.Tensor, real: torch.Tensor, config: Ne
 
 
 def flex_block_mask(allowed: torch.Tensor):
-    """The [B, 1, S, K] boolean mask as flex attention's `BlockMask` (a mask read inside a score
+    """The [B, 1, T, S] boolean mask as flex attention's `BlockMask` (a mask read inside a score
     modification is what the CPU kernels of torch 2.13 mishandle; a block mask they run)."""
     from torch.nn.attention.flex_attention import create_block_mask
 

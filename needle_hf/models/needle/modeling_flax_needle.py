@@ -140,7 +140,7 @@ FUSED_QKVG_KERNEL = "qkvg_kernel"
 
 def with_decoding_kernels(params, config: NeedleConfig) -> dict:
     """``params`` (the causal LM's tree) plus, in each decoder layer's ``self_attn``, the q, k, v and gate
-    kernels concatenated into one [d, 2 * attention_dim + 2 * kv_dim] ``qkvg_kernel`` (`FUSED_QKVG_KERNEL`),
+    kernels concatenated into one [D, 2 * A + 2 * K * H] ``qkvg_kernel`` (`FUSED_QKVG_KERNEL`),
     which the attention then reads instead of the four.
 
     A decoding step reads each kernel once for one row; four separate matrix-vector products read

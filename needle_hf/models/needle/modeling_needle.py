@@ -2,10 +2,10 @@
 
 The forward pass reproduces the reference implementation (cactus-needle 2.x) step by step:
 
-1. ``x0 = E[tokens] * sqrt(d)``.
+1. ``x0 = E[tokens] * sqrt(D)``.
 2. Engram memory: each engram site hashes the n-grams ending at every position into its tables,
    projects the fetched rows to a key and a value, and smooths the value with a causal dilated
-   convolution. The layer that owns the site adds ``sigmoid(<u, key> / sqrt(d)) * value`` to its
+   convolution. The layer that owns the site adds ``sigmoid(<u, key> / sqrt(D)) * value`` to its
    input.
 3. Hyper-connections: the residual stream is ``hyper_connection_lanes`` lanes; every layer reads a
    mix of the lanes, runs the block on it and writes the result back through a Sinkhorn-normalised
@@ -158,21 +158,21 @@ def eager_attention_forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The reference's attention: float32 scores and softmax, probabilities cast to the value dtype.
 
-    query: [B, H, S, hd]; key, value: [B, KV, K, hd]; attention_mask: additive [B, 1, S, K].
-    Returns (output [B, S, H, hd], probabilities [B, H, S, K] float32, on the autograd path).
-    Query head h reads key/value head h // (H / KV): the queries of a group are stacked against their
-    one key/value head ([B, KV, G * S, hd]) rather than the keys and values repeated per head.
+    query: [B, N, T, H]; key, value: [B, K, S, H]; attention_mask: additive [B, 1, T, S].
+    Returns (output [B, T, N, H], probabilities [B, N, T, S] float32, on the autograd path).
+    Query head h reads key/value head h // G (G = N / K): the queries of a group are stacked against their
+    one key/value head ([B, K, G * T, H]) rather than the keys and values repeated per head.
     Other keyword arguments of the attention-function interface are not used by this kernel.
     """
     batch, heads, length, head_dim = query.shape
     kv_heads, keys = key.shape[1], key.shape[-2]
-    grouped = query.float().reshape(batch, kv_heads, -1, head_dim)  # [B, KV, G * S, hd]
+    grouped = query.float().reshape(batch, kv_heads, -1, head_dim)  # [B, K, G * T, H]
     scores = torch.matmul(grouped, key.float().transpose(-1, -2)).view(batch, heads, length, keys) * scaling
     if attention_mask is not None:
         scores = scores + attention_mask[..., :keys].float()
     probs = scores.softmax(dim=-1)
     weights = F.dropout(probs, p=dropout, training=module.training).to(value.dtype)
-    out = torch.matmul(weights.view(batch, kv_heads, -1, keys), value)  # [B, KV, G * S, hd]
+    out = torch.matmul(weights.view(batch, kv_heads, -1, keys), value)  # [B, K, G * T, H]
     return out.view(batch, heads, length, head_dim).transpose(1, 2).contiguous(), probs
 
 
@@ -180,21 +180,21 @@ def eager_attention_forward(
 class NeedleStepInputs:
     """Tensors derived once per forward call and shared by every layer (and the MTP block).
 
-    key_visible: [B, K] bool, which key positions are real text (K = past + S, or a static cache's length).
-    attention_mask: [B, 1, S, K] additive mask in the compute dtype (0 allowed, the dtype's minimum not);
+    key_visible: [B, S] bool, which key positions are real text (S = past + T, or a static cache's length).
+    attention_mask: [B, 1, T, S] additive mask in the compute dtype (0 allowed, the dtype's minimum not);
         for flex attention the same mask as a `BlockMask`.
-    cos, sin: [B, 1, S, head_dim] float32 RoPE tables of the new positions (both halves the same).
-    cache_position: [S] positions of the new tokens in the cache (where their keys are written).
-    walsh: [n, n] Walsh-Hadamard matrix (compute dtype), or its Kronecker factors (`walsh_transform`).
+    cos, sin: [B, 1, T, H] float32 RoPE tables of the new positions (both halves the same).
+    cache_position: [T] positions of the new tokens in the cache (where their keys are written).
+    walsh: [W, W] Walsh-Hadamard matrix (compute dtype), or its Kronecker factors (`walsh_transform`).
     pre_offsets, post_offsets: [layers, L] float32 lane-ownership offsets of the hyper-connection
         logits (`numerics.hyper_connection_offsets`).
     attention_implementation: the attention function to use instead of the config's (a compiled
         decoding step runs sdpa as the same grouped products as eager, see `_DecoderLayerStep`).
-    engram_lookback: [B, S, engram_history + 1] bool, whether new token t sees the position k before it
+    engram_lookback: [B, T, R] bool, whether new token t sees the position k before it
         (`engram_lookback`), for packed sequences and 4-D masks; None: read from ``key_visible`` (a
         position sees every visible position before it).
     packed_layout: a packed batch's sequences one per row (`PackedLayout`); attention then runs over
-        that layout, and ``attention_mask`` is its [N, 1, L, L] mask.
+        that layout, and ``attention_mask`` is its [Q, 1, M, M] mask.
     """
 
     key_visible: torch.Tensor
@@ -259,7 +259,7 @@ class NeedleAttention(nn.Module):
         cache: Optional[Union[Cache, CacheLayerMixin]] = None,
         **attention_kwargs,
     ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """x: [B, S, d] (normed) -> ([B, S, d], attention probabilities [B, H, S, K] or None).
+        """x: [B, T, D] (normed) -> ([B, T, D], attention probabilities [B, N, T, S] or None).
 
         ``cache``: the model's KV cache, or this layer's own layer of it (a static cache's, see
         `NeedleModel.forward`: then the layer index is not read, and one compiled layer serves all).
@@ -270,17 +270,17 @@ class NeedleAttention(nn.Module):
         batch, length, _ = x.shape
         x = quantize_activations(x, self.config)  # deploy numerics hook
         q, k, v, gate = self.q_proj(x), self.k_proj(x), self.v_proj(x), self.gate_proj(x)
-        q = q.reshape(batch, length, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H, S, hd]
-        k = k.reshape(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, KV, S, hd]
-        v = v.reshape(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, KV, S, hd]
+        q = q.reshape(batch, length, self.num_heads, self.head_dim).transpose(1, 2)  # [B, N, T, H]
+        k = k.reshape(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, K, T, H]
+        v = v.reshape(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, K, T, H]
         q = apply_rotary(self.q_norm(q), step.cos, step.sin)
         k = apply_rotary(self.k_norm(k), step.cos, step.sin)
         k, v = quantize_kv(k, v, self.config)  # deploy numerics hook
         # `cache_position` places the keys in a static cache on 4.57 (5.x layers count themselves).
         if isinstance(cache, CacheLayerMixin):
-            k, v = cache.update(k, v, {"cache_position": step.cache_position})  # [B, KV, K, hd]
+            k, v = cache.update(k, v, {"cache_position": step.cache_position})  # [B, K, S, H]
         elif cache is not None and self.layer_idx is not None:
-            k, v = cache.update(k, v, self.layer_idx, {"cache_position": step.cache_position})  # [B, KV, K, hd]
+            k, v = cache.update(k, v, self.layer_idx, {"cache_position": step.cache_position})  # [B, K, S, H]
 
         attention_interface: Callable = eager_attention_forward
         if step.attention_implementation is not None:  # a compiled decoding step's own choice
@@ -293,7 +293,7 @@ class NeedleAttention(nn.Module):
         elif self.config._attn_implementation != "eager":  # transformers 4.57
             attention_interface = ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]
         layout = step.packed_layout
-        if layout is not None:  # packed sequences one per row: [N, heads, L, hd]
+        if layout is not None:  # packed sequences one per row: [Q, N, M, H]
             q, k, v = layout.pack(q), layout.pack(k), layout.pack(v)
         out, probs = attention_interface(
             self,
@@ -306,8 +306,8 @@ class NeedleAttention(nn.Module):
             **attention_kwargs,
         )
         if layout is not None:
-            out = layout.unpack(out, batch)  # [B, S, H, hd]
-        out = out.reshape(batch, length, -1) * torch.sigmoid(gate)  # [B, S, attention_dim]
+            out = layout.unpack(out, batch)  # [B, T, N, H]
+        out = out.reshape(batch, length, -1) * torch.sigmoid(gate)  # [B, T, A]
         out = quantize_activations(out, self.config)  # deploy numerics hook
         return self.o_proj(out), probs
 
@@ -324,16 +324,16 @@ class NeedleHadamardMLP(nn.Module):
         self.diag_out = nn.Parameter(torch.full((n,), HADAMARD_DIAG_OUT_INIT))
 
     def forward(self, x: torch.Tensor, walsh: Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """x: [B, S, d], walsh: the Walsh matrix or its Kronecker factors (`walsh_transform`) -> [B, S, d]."""
+        """x: [B, T, D], walsh: the Walsh matrix or its Kronecker factors (`walsh_transform`) -> [B, T, D]."""
         padding = self.diag_in.shape[0] - self.hidden_size
-        z = F.pad(x, (0, padding)) if padding else x  # [B, S, n]
+        z = F.pad(x, (0, padding)) if padding else x  # [B, T, W]
         z = walsh_transform(self.diag_in * z, walsh)
         z = walsh_transform(F.silu(self.diag_hidden * z), walsh)
         return (self.diag_out * z)[..., : self.hidden_size]
 
 
 class NeedleBlock(nn.Module):
-    """One transformer block ``u -> Block(u)`` (the residual stream in and out, [B, S, d]).
+    """One transformer block ``u -> Block(u)`` (the residual stream in and out, [B, T, D]).
 
     Decoder layers extend it with hyper-connections; the MTP head uses it as is.
     """
@@ -355,7 +355,7 @@ class NeedleBlock(nn.Module):
         cache: Optional[Cache] = None,
         **attention_kwargs,
     ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """x: [B, S, d] -> ([B, S, d], attention probabilities or None)."""
+        """x: [B, T, D] -> ([B, T, D], attention probabilities or None)."""
         attended, probs = self.self_attn(self.input_layernorm(x), step, cache=cache, **attention_kwargs)
         # sigmoid in the parameter dtype, then cast (the reference's `_gate`).
         gate = torch.sigmoid(self.attention_gate).to(x.dtype)
@@ -371,7 +371,7 @@ class NeedleHyperConnection(nn.Module):
     """Lane routing of one layer: how much of each lane the block reads (pre), how much of the block
     output each lane receives (post), and the doubly-stochastic lane mixing (res).
 
-    Every coefficient is computed from the float32 unit-RMS flattened lanes ``x̂`` [B, S, lanes * d].
+    Every coefficient is computed from the float32 unit-RMS flattened lanes ``x̂`` [B, T, L * D].
     """
 
     def __init__(self, config: NeedleConfig, layer_idx: int):
@@ -400,10 +400,10 @@ class NeedleHyperConnection(nn.Module):
     def route(
         self, lanes: torch.Tensor, lane_offsets: tuple[torch.Tensor, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """lanes: [B, S, L, d], lane_offsets: this layer's (pre, post) [L] float32 (`step.pre_offsets[i]`,
-        `step.post_offsets[i]`) -> (read weights [B, S, L], write weights [B, S, L], mixing [B, S, L, L]), float32."""
+        """lanes: [B, T, L, D], lane_offsets: this layer's (pre, post) [L] float32 (`step.pre_offsets[i]`,
+        `step.post_offsets[i]`) -> (read weights [B, T, L], write weights [B, T, L], mixing [B, T, L, L]), float32."""
         batch, length, n, width = lanes.shape
-        unit = rms_unit(lanes.reshape(batch, length, n * width), self.eps)  # [B, S, L * d]
+        unit = rms_unit(lanes.reshape(batch, length, n * width), self.eps)  # [B, T, L * D]
         pre_offset, post_offset = lane_offsets
         read = torch.sigmoid(
             self._scaled_projection(unit, self.pre_proj, self.pre_alpha) + self.pre_bias.float() + pre_offset
@@ -417,7 +417,7 @@ class NeedleHyperConnection(nn.Module):
 
 
 class NeedleDecoderLayer(NeedleBlock, GradientCheckpointingLayer):
-    """A block wrapped in hyper-connections; maps lanes [B, S, L, d] to lanes.
+    """A block wrapped in hyper-connections; maps lanes [B, T, L, D] to lanes.
 
     Tensors that need gradients are positional, so that activation checkpointing
     (`GradientCheckpointingLayer`) recomputes the layer from them.
@@ -439,7 +439,7 @@ class NeedleDecoderLayer(NeedleBlock, GradientCheckpointingLayer):
         lane_offsets: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
         **attention_kwargs,
     ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """lanes: [B, S, L, d]; engram_key, engram_value: [B, S, d] of this layer's engram site (or None).
+        """lanes: [B, T, L, D]; engram_key, engram_value: [B, T, D] of this layer's engram site (or None).
 
         lane_offsets: this layer's rows of ``step.pre_offsets`` / ``step.post_offsets`` (default: read
         by layer index). `NeedleModel` passes them, and a static cache's own layer as ``cache``, so a
@@ -451,20 +451,20 @@ class NeedleDecoderLayer(NeedleBlock, GradientCheckpointingLayer):
         read, write, mixing = self.hyper_connection.route(lanes, lane_offsets)
         lanes_f32 = lanes.float()
         # Batched matrix products over (b, s) (what einsum would run, without its per-call planning).
-        u = torch.matmul(read[:, :, None, :], lanes_f32)[:, :, 0].to(lanes.dtype)  # [B, S, d]
+        u = torch.matmul(read[:, :, None, :], lanes_f32)[:, :, 0].to(lanes.dtype)  # [B, T, D]
         x = u
         if engram_key is not None:
             eps = self.hyper_connection.eps
-            relevance = (rms_unit(u, eps) * rms_unit(engram_key, eps)).sum(-1) / math.sqrt(self.hidden_size)  # [B, S]
+            relevance = (rms_unit(u, eps) * rms_unit(engram_key, eps)).sum(-1) / math.sqrt(self.hidden_size)  # [B, T]
             x = u + (torch.sigmoid(relevance)[..., None] * engram_value.float()).to(u.dtype)
         y, probs = self.block(x, step, cache=cache, **attention_kwargs)
         y = y - u
-        mixed = torch.matmul(mixing, lanes_f32) + write[..., None] * y.float()[:, :, None, :]  # [B, S, L, d]
+        mixed = torch.matmul(mixing, lanes_f32) + write[..., None] * y.float()[:, :, None, :]  # [B, T, L, D]
         return mixed.to(lanes.dtype), probs
 
 
 class NeedleEngram(nn.Module):
-    """Hashed n-gram memory of one site: fetched table rows -> (key, convolved value), [B, T, d] each."""
+    """Hashed n-gram memory of one site: fetched table rows -> (key, convolved value), [B, T, D] each."""
 
     def __init__(self, config: NeedleConfig):
         super().__init__()
@@ -490,28 +490,28 @@ class NeedleEngram(nn.Module):
         *,
         tap_visible: Optional[torch.Tensor] = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(key, value) [B, T - first_output, d] of window positions ``first_output..T-1``.
+        """(key, value) [B, C - first_output, D] of window positions ``first_output..C-1``.
 
-        indices: [B, T, tables] rows of the window's n-grams; ngram_visible: [B, T, tables] whether each
-        n-gram lies in the visible text; visible: [B, T] whether each window position is visible.
+        indices: [B, C, tables] rows of the window's n-grams; ngram_visible: [B, C, tables] whether each
+        n-gram lies in the visible text; visible: [B, C] whether each window position is visible.
         The value at ``t`` is ``sum_j taps[j] * v[t - j * dilation]`` over visible earlier positions
         (zero before the window, which starts at the text or reaches back `engram_history` tokens).
-        tap_visible: [B, T - first_output, taps], whether output t sees the position tap j reads (packed
+        tap_visible: [B, C - first_output, taps], whether output t sees the position tap j reads (packed
         sequences, 4-D masks); None: that position's ``visible``.
         """
         batch, length, _ = indices.shape
         table_ids = torch.arange(self.num_tables, device=indices.device)
-        rows = self.tables[table_ids, indices]  # [B, T, tables, sub_dim]
+        rows = self.tables[table_ids, indices]  # [B, C, tables, sub_dim]
         rows = rows * ngram_visible[..., None].to(rows.dtype)
-        fetched = rows.reshape(batch, length, -1).to(dtype)  # [B, T, engram_dim]
+        fetched = rows.reshape(batch, length, -1).to(dtype)  # [B, C, engram_dim]
         fetched = quantize_activations(fetched, self.config)  # deploy numerics hook
         key = self.key_proj(fetched[:, first_output:])
         # Hidden positions contribute zero to every tap; zeros in front stand for positions before the window.
         reach = self.reach
-        value_rows = self.value_proj(fetched)  # [B, T, d]
+        value_rows = self.value_proj(fetched)  # [B, C, D]
         if tap_visible is None:
             value_rows = value_rows * visible[..., None].to(dtype)
-        value_rows = F.pad(value_rows, (0, 0, reach, 0))  # [B, reach + T, d]
+        value_rows = F.pad(value_rows, (0, 0, reach, 0))  # [B, reach + C, D]
         taps = self.conv_taps.to(dtype)
         value = 0
         for j in range(taps.shape[0]):
@@ -533,12 +533,12 @@ def engram_window_memory(
     *,
     lookback: Optional[torch.Tensor] = None,
 ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-    """Engram (key, value) [B, T - first_output, d] of window positions ``first_output..T-1``, by the
+    """Engram (key, value) [B, C - first_output, D] of window positions ``first_output..C-1``, by the
     layer that reads them.
 
-    window_ids: [B, T] token ids; window_visible: [B, T] bool, whether each position is real text
+    window_ids: [B, C] token ids; window_visible: [B, C] bool, whether each position is real text
     (positions hidden here contribute zero, exactly like positions before the window).
-    lookback: [B, T - first_output, W] whether each output position sees the position k before it
+    lookback: [B, C - first_output, R] whether each output position sees the position k before it
     (`NeedleStepInputs.engram_lookback`: packed sequences, 4-D masks), which then decides its n-grams
     and conv taps; None: every visible earlier position.
     """
@@ -553,9 +553,9 @@ def engram_window_memory(
             for order, visible in visible_by_order.items()
         }
         taps = range(0, config.engram_conv_taps * config.engram_conv_dilation, config.engram_conv_dilation)
-        tap_visible = lookback[..., list(taps)]  # [B, T - first_output, taps]
+        tap_visible = lookback[..., list(taps)]  # [B, C - first_output, taps]
     table_orders = engram_table_orders(config.engram_orders, config.engram_num_heads)
-    ngram_visible = torch.stack([visible_by_order[order] for order in table_orders], dim=-1)  # [B, T, tables]
+    ngram_visible = torch.stack([visible_by_order[order] for order in table_orders], dim=-1)  # [B, C, tables]
     return {
         layer_idx: engram(indices, ngram_visible, window_visible, first_output, dtype, tap_visible=tap_visible)
         for engram, layer_idx in zip(engrams, config.engram_layers)
@@ -563,7 +563,7 @@ def engram_window_memory(
 
 
 class NeedleMultiTokenPrediction(nn.Module):
-    """MTP head: ``block(cat(h, norm(E[next] * sqrt(d))) W)`` then a norm; its tied logits predict token t + 2."""
+    """MTP head: ``block(cat(h, norm(E[next] * sqrt(D))) W)`` then a norm; its tied logits predict token t + 2."""
 
     def __init__(self, config: NeedleConfig):
         super().__init__()
@@ -578,7 +578,7 @@ class NeedleMultiTokenPrediction(nn.Module):
     def forward(
         self, hidden: torch.Tensor, next_embedded: torch.Tensor, step: NeedleStepInputs, cache: Optional[Cache] = None
     ) -> torch.Tensor:
-        """hidden: [B, S, d] final-normed backbone output; next_embedded: [B, S, d] float32 ``E[t+1] * sqrt(d)``;
+        """hidden: [B, T, D] final-normed backbone output; next_embedded: [B, T, D] float32 ``E[t+1] * sqrt(D)``;
         cache: the MTP block's own one-layer cache of the positions before these (None: the whole text)."""
         combined = torch.cat([hidden, self.embed_norm(next_embedded).to(hidden.dtype)], dim=-1)
         combined = quantize_activations(combined, self.config)  # deploy numerics hook
@@ -591,7 +591,7 @@ class NeedleMultiTokenPrediction(nn.Module):
 
 @dataclass
 class NeedleCausalLMOutput(CausalLMOutputWithPast):
-    """`CausalLMOutputWithPast` plus ``mtp_logits`` [B, S, V] float32 (when requested): ``mtp_logits[:, t]``
+    """`CausalLMOutputWithPast` plus ``mtp_logits`` [B, T, V] float32 (when requested): ``mtp_logits[:, t]``
     scores token ``t + 2``. The cache field is ``past_key_values`` (transformers 4.x) or ``cache`` (5.x)."""
 
     mtp_logits: Optional[torch.FloatTensor] = None
@@ -626,7 +626,7 @@ class NeedlePreTrainedModel(PreTrainedModel):
     _no_split_modules = ["NeedleDecoderLayer"]
     supports_gradient_checkpointing = True
     _supports_sdpa = True
-    # The additive [B, 1, S, K] mask (padding anywhere, not only on the left) has no varlen form.
+    # The additive [B, 1, T, S] mask (padding anywhere, not only on the left) has no varlen form.
     _supports_flash_attn = False
     _supports_flash_attn_2 = False
     _supports_flex_attn = True
@@ -774,20 +774,20 @@ class NeedleModel(NeedlePreTrainedModel):
         packed_attention: bool = True,
     ) -> NeedleStepInputs:
         """Masks, RoPE tables and constants of a forward call over ``length`` new tokens at ``cache_position``
-        [S], attending over ``key_length`` keys (past + S, or a static cache's length);
+        [T], attending over ``key_length`` keys (past + T, or a static cache's length);
         ``attention_window``: see `attention_allowed`.
 
-        attention_mask: 2-D [B, K'] (1 = real token, K' <= K), or a custom 4-D [B, 1, S, K]
+        attention_mask: 2-D [B, S'] (1 = real token, S' <= S), or a custom 4-D [B, 1, T, S]
         (`attention_sees_from_4d`; refused where the engram has no meaning, `check_engram_lookback`).
-        segment_ids: [B, S] sequence index of each token of a packed batch (no cached tokens; see
+        segment_ids: [B, T] sequence index of each token of a packed batch (no cached tokens; see
         `NeedleModel.sequence_segments`): a token sees only the earlier tokens of its own sequence.
         packed_attention: run a packed batch's attention over its sequences laid out one per row
-        (`PackedLayout`) rather than over [S, S] masks (False: attention probabilities are wanted
+        (`PackedLayout`) rather than over [T, T] masks (False: attention probabilities are wanted
         in the batch's own shape).
         """
         device, dtype = self.embed_tokens.weight.device, self.embed_tokens.weight.dtype
         past_length = cache_position[0]
-        sees = None  # [B, S, K] bool, only where it is not causal-over-visible-keys
+        sees = None  # [B, T, S] bool, only where it is not causal-over-visible-keys
         if attention_mask is None:
             key_visible = torch.ones(batch, key_length, dtype=torch.bool, device=device)
         elif attention_mask.dim() == 4:
@@ -799,7 +799,7 @@ class NeedleModel(NeedlePreTrainedModel):
                 )
             sees = attention_sees_from_4d(attention_mask.to(device))
             sees = F.pad(sees, (0, key_length - sees.shape[-1]))  # a static cache's free slots
-            key_visible = sees.any(dim=1)  # [B, K]: the keys some query sees (padding: none)
+            key_visible = sees.any(dim=1)  # [B, S]: the keys some query sees (padding: none)
         else:
             if attention_mask.dim() != 2:
                 raise ValueError(
@@ -826,7 +826,7 @@ class NeedleModel(NeedlePreTrainedModel):
                 and self.config._attn_implementation != "flex_attention":
             layout = PackedLayout.of(segment_ids)
         elif segment_ids is not None:
-            same = segment_ids[:, :, None] == segment_ids[:, None, :]  # [B, S, S]
+            same = segment_ids[:, :, None] == segment_ids[:, None, :]  # [B, T, T]
             causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()
             sees = (sees if sees is not None else causal[None] & key_visible[:, None, :]) & same
         if position_ids is None and segment_ids is not None:  # each packed sequence starts at 0
@@ -838,19 +838,19 @@ class NeedleModel(NeedlePreTrainedModel):
             mask_2d = key_visible.long() if sees is not None else attention_mask
             position_ids = default_position_ids(mask_2d, past_length, length, batch, device)
         inverse_frequencies = self.constant("rope_inverse_frequencies", device, torch.float32)
-        cos, sin = rope_tables(position_ids.to(device), inverse_frequencies)  # [B, S, hd] each
+        cos, sin = rope_tables(position_ids.to(device), inverse_frequencies)  # [B, T, H] each
         lookback = None
         if layout is not None:
-            allowed = layout.attention_allowed(attention_window)  # [N, 1, L, L]
+            allowed = layout.attention_allowed(attention_window)  # [Q, 1, M, M]
             lookback = packed_lookback(segment_ids, key_visible, self.config.engram_history + 1)
         else:
-            allowed = attention_allowed(key_visible, past_length, length, group=1, window=attention_window)  # [B, 1, S, K]
+            allowed = attention_allowed(key_visible, past_length, length, group=1, window=attention_window)  # [B, 1, T, S]
         if sees is not None:
             query_positions = torch.arange(length, device=device) + past_length
-            itself = torch.arange(key_length, device=device)[None, :] == query_positions[:, None]  # [S, K]
+            itself = torch.arange(key_length, device=device)[None, :] == query_positions[:, None]  # [T, S]
             allowed = ((sees & allowed[:, 0]) | itself[None])[:, None]  # window and causality still apply
             width = self.config.engram_history + 1
-            lookback = engram_lookback(sees, past_length, width)  # [B, S, W]
+            lookback = engram_lookback(sees, past_length, width)  # [B, T, R]
             if attention_mask is not None and attention_mask.dim() == 4 and not (
                 is_torchdynamo_compiling() or torch.compiler.is_exporting()
             ):
@@ -884,7 +884,7 @@ class NeedleModel(NeedlePreTrainedModel):
         length: int,
         past_length: int,
     ) -> Optional[torch.Tensor]:
-        """Sequence index [B, S] of each token when the batch packs several sequences per row, else None.
+        """Sequence index [B, T] of each token when the batch packs several sequences per row, else None.
 
         A padding-free batch (TRL's ``padding_free=True``, `DataCollatorWithFlattening`) has no
         attention_mask and gives its boundaries as ``position_ids`` restarting at 0 and, for the varlen
@@ -913,7 +913,7 @@ class NeedleModel(NeedlePreTrainedModel):
     def engram_memory(
         self, input_ids: torch.Tensor, step: NeedleStepInputs, cache: Optional[Cache]
     ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-        """Engram (key, value) [B, S, d] of the new tokens, by the layer that reads them.
+        """Engram (key, value) [B, T, D] of the new tokens, by the layer that reads them.
 
         The window is the `engram_history` positions before the new ones (their ids from the cache's
         `NeedleEngramCacheLayer`, none without a cache) and the new ones. Positions hidden by the mask
@@ -931,8 +931,8 @@ class NeedleModel(NeedlePreTrainedModel):
         else:
             before_ids = self.engram_cache_layer(cache).update_engram_ids(input_ids, cache_position, history)
         positions = torch.cat([cache_position[:1] - history + torch.arange(history, device=input_ids.device), cache_position])
-        window_visible = step.key_visible.index_select(1, positions.clamp(min=0)) & (positions >= 0)  # [B, H + S]
-        window_ids = torch.cat([before_ids, input_ids], dim=1)  # [B, H + S]
+        window_visible = step.key_visible.index_select(1, positions.clamp(min=0)) & (positions >= 0)  # [B, C]
+        window_ids = torch.cat([before_ids, input_ids], dim=1)  # [B, C]
 
         return engram_window_memory(self.engrams, config, window_ids, window_visible, history, self.embed_tokens.weight.dtype,
                                     lookback=step.engram_lookback)
@@ -950,7 +950,7 @@ class NeedleModel(NeedlePreTrainedModel):
         return layer
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Float32 ``E[tokens] * sqrt(d)`` [B, S, d] (the reference scales before casting to the compute dtype)."""
+        """Float32 ``E[tokens] * sqrt(D)`` [B, T, D] (the reference scales before casting to the compute dtype)."""
         return self.embed_tokens(input_ids).float() * self.embed_scale
 
     def forward(
@@ -975,25 +975,25 @@ class NeedleModel(NeedlePreTrainedModel):
         seq_idx: Optional[torch.Tensor] = None,
         compiled_parts: Optional[NeedleCompiledParts] = None,
     ) -> Union[BaseModelOutputWithPast, tuple]:
-        """Run the backbone on ``input_ids`` [B, S].
+        """Run the backbone on ``input_ids`` [B, T].
 
         Args:
-            attention_mask: [B, past + S] (or [B, max_cache_len] with a static cache), 1 for real tokens
-                and 0 for padding (left or right); or a custom 4-D mask [B, 1, S, past + S], boolean
+            attention_mask: [B, past + T] (or [B, max_cache_len] with a static cache), 1 for real tokens
+                and 0 for padding (left or right); or a custom 4-D mask [B, 1, T, past + T], boolean
                 (True = attend) or additive float (0 = attend), refused where the engram has no meaning
                 (`check_engram_lookback`: shared prefixes, trees).
-            position_ids: [B, S]; default ``cumsum(attention_mask) - 1`` (or ``past + arange(S)``).
+            position_ids: [B, T]; default ``cumsum(attention_mask) - 1`` (or ``past + arange(T)``).
                 Without attention_mask and cache, positions that restart (not the previous plus one)
                 start a new packed sequence: each sequence attends only to itself and its engram
                 n-grams and conv taps stop at its start (`sequence_segments`).
-            cu_seq_lens_q, cu_seq_lens_k: [N + 1] boundaries of the sequences of one flattened row (TRL's
+            cu_seq_lens_q, cu_seq_lens_k: [Q + 1] boundaries of the sequences of one flattened row (TRL's
                 padding-free collator, `DataCollatorWithFlattening`); they decide the packing when given.
             max_length_q, max_length_k, seq_idx: what those collators add for varlen kernels; implied by
                 the boundaries, accepted so that their batches pass to the model unchanged.
             cache: a transformers `DynamicCache` or `StaticCache`, which also carries the engram state
                 (`NeedleEngramCacheLayer`); created when ``use_cache`` and none is given.
                 ``past_key_values`` is its name before transformers 5.
-            cache_position: [S] where the new tokens go in the cache (default: after the cached ones).
+            cache_position: [T] where the new tokens go in the cache (default: after the cached ones).
             inputs_embeds: only None: PEFT and TRL pass it on every call, but Needle reads token ids
                 (its engram memory hashes them).
             output_hidden_states: return ``(x0, lane mean after layer 1, ..., after layer L)``; the
@@ -1068,15 +1068,15 @@ class NeedleModel(NeedlePreTrainedModel):
         output_attentions: bool = False,
         compiled_parts: Optional[NeedleCompiledParts] = None,
     ) -> tuple[torch.Tensor, Optional[tuple], Optional[tuple]]:
-        """The layers over ``input_ids`` [B, S] with the call's `step_inputs` already made (MTP decoding
-        shares them with its head) -> (final-normed hidden [B, S, d], hidden states or None, attentions or None).
+        """The layers over ``input_ids`` [B, T] with the call's `step_inputs` already made (MTP decoding
+        shares them with its head) -> (final-normed hidden [B, T, D], hidden states or None, attentions or None).
         ``compiled_parts``: see `forward`."""
         layers = self.layers if compiled_parts is None else compiled_parts.layers
         engram_memory = self.engram_memory if compiled_parts is None else compiled_parts.engram_memory
-        x0 = self.embed(input_ids).to(self.embed_tokens.weight.dtype)  # [B, S, d]
+        x0 = self.embed(input_ids).to(self.embed_tokens.weight.dtype)  # [B, T, D]
         memory = engram_memory(input_ids, step, cache)
         # Contiguous, like every later layer's input: a compiled layer then serves the first one too.
-        lanes = x0[:, :, None, :].expand(-1, -1, self.config.hyper_connection_lanes, -1).contiguous()  # [B, S, L, d]
+        lanes = x0[:, :, None, :].expand(-1, -1, self.config.hyper_connection_lanes, -1).contiguous()  # [B, T, L, D]
 
         all_hidden = (x0,) if output_hidden_states else None
         all_attentions = () if output_attentions else None
@@ -1154,7 +1154,7 @@ class NeedleForCausalLM(NeedlePreTrainedModel, NeedleGenerationMixin):
         return self.model.engram_context_length
 
     def tied_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 ``hidden @ E.T``: [B, S, d] -> [B, S, V] (``E`` = ``lm_head.weight`` = the token embedding)."""
+        """Float32 ``hidden @ E.T``: [B, T, D] -> [B, T, V] (``E`` = ``lm_head.weight`` = the token embedding)."""
         hidden = quantize_activations(hidden, self.config)  # deploy numerics hook
         return tied_logits(hidden, self.lm_head.weight)
 
@@ -1185,12 +1185,12 @@ class NeedleForCausalLM(NeedlePreTrainedModel, NeedleGenerationMixin):
         seq_idx: Optional[torch.Tensor] = None,
         compiled_parts: Optional[NeedleCompiledParts] = None,
     ) -> Union[NeedleCausalLMOutput, tuple]:
-        """Logits [B, S, V] float32 of ``input_ids`` [B, S] (see `NeedleModel.forward` for the inputs).
+        """Logits [B, T, V] float32 of ``input_ids`` [B, T] (see `NeedleModel.forward` for the inputs).
 
         Args:
-            labels: [B, S] token ids (-100 = ignored); the loss is next-token cross-entropy
+            labels: [B, T] token ids (-100 = ignored); the loss is next-token cross-entropy
                 (transformers' `ForCausalLMLoss`: labels shift left by one inside).
-            shift_labels: [B, S] labels already aligned with the logits (instead of ``labels``).
+            shift_labels: [B, T] labels already aligned with the logits (instead of ``labels``).
             num_items_in_batch: the number of target tokens of the whole (accumulated) batch: the loss
                 is then a sum divided by it, so gradient accumulation matches one big batch.
             logits_to_keep: keep the logits of the last ``n`` positions (int, 0 = all) or of the given
@@ -1282,7 +1282,7 @@ class NeedleForCausalLM(NeedlePreTrainedModel, NeedleGenerationMixin):
     def _probe_cells(
         self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Cells [B, T, L + 1, d] float32 (``x0`` and the lane mean after every layer) and their keep mask [B, T].
+        """Cells [B, T, L + 1, D] float32 (``x0`` and the lane mean after every layer) and their keep mask [B, T].
 
         Without an attention_mask, padding is ``input_ids == pad_token_id``. Positions are 0..T-1 as in
         the reference (RoPE is relative, so left padding does not change the result).
@@ -1302,7 +1302,7 @@ class NeedleForCausalLM(NeedlePreTrainedModel, NeedleGenerationMixin):
         return self.cells_from_hidden_states(input_ids, outputs.hidden_states), attention_mask.bool()
 
     def cells_from_hidden_states(self, input_ids: torch.Tensor, hidden_states: tuple) -> torch.Tensor:
-        """The heads' cells [B, T, L + 1, d] float32 from a forward's ``hidden_states`` (``output_hidden_states=True``):
+        """The heads' cells [B, T, L + 1, D] float32 from a forward's ``hidden_states`` (``output_hidden_states=True``):
         ``x0`` and the lane mean after every layer. Lets a training step read the heads off its own forward."""
         cells = torch.stack([self.model.embed(input_ids), *[h.float() for h in hidden_states[1:]]], dim=2)
         return cells.detach()  # the heads read a fixed backbone (`specification_needle`)

@@ -66,7 +66,7 @@ def sinkhorn(logits: jnp.ndarray, iterations: int = SINKHORN_ITERATIONS) -> jnp.
 
 
 def apply_rotary(x: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray) -> jnp.ndarray:
-    """Half-split RoPE `[x1 cos - x2 sin, x2 cos + x1 sin]`. x [B, T, heads, H]; cos/sin [B, T, H/2] float32."""
+    """Half-split RoPE `[x1 cos - x2 sin, x2 cos + x1 sin]`. x [B, T, heads, H] (N query or K key heads); cos/sin [B, T, H / 2] float32."""
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     cos, sin = cos[:, :, None, :], sin[:, :, None, :]
@@ -74,7 +74,7 @@ def apply_rotary(x: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray) -> jnp.ndar
 
 
 def rope_tables(position_ids: jnp.ndarray, inverse_frequencies) -> tuple[jnp.ndarray, jnp.ndarray]:
-    """cos/sin [B, T, H/2] float32 for integer positions [B, T] (`numerics.rope_inverse_frequencies`)."""
+    """cos/sin [B, T, H / 2] float32 for integer positions [B, T] (`numerics.rope_inverse_frequencies`)."""
     angles = position_ids.astype(jnp.float32)[..., None] * jnp.asarray(inverse_frequencies, jnp.float32)
     return jnp.cos(angles), jnp.sin(angles)
 

@@ -36,7 +36,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
     Written as ``x * cos + [-x2, x1] * sin`` with each table repeated over both halves: the same
     products and sums, bit for bit (negation is exact), in 5 tensor ops instead of 8.
-    x: [B, heads, S, head_dim]; cos, sin: [B, 1, S, head_dim] float32 (each half the same).
+    x: [B, heads, T, H] (N query or K key heads); cos, sin: [B, 1, T, H] float32 (each half the same).
     """
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
@@ -44,8 +44,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 def rope_tables(position_ids: torch.Tensor, inverse_frequencies: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Float32 RoPE ``cos, sin`` [..., hd] of integer ``position_ids`` [...], each half the same (see `apply_rotary`)."""
-    angles = position_ids.float()[..., None] * inverse_frequencies  # [..., hd/2]
+    """Float32 RoPE ``cos, sin`` [..., H] of integer ``position_ids`` [...], each half the same (see `apply_rotary`)."""
+    angles = position_ids.float()[..., None] * inverse_frequencies  # [..., H / 2]
     angles = torch.cat([angles, angles], dim=-1)
     return torch.cos(angles), torch.sin(angles)
 
@@ -59,7 +59,7 @@ def shift_right(x: torch.Tensor, offset: int) -> torch.Tensor:
 
 
 def log_space_sinkhorn(logits: torch.Tensor, iterations: int = SINKHORN_ITERATIONS) -> torch.Tensor:
-    """Sinkhorn normalisation of [..., n, n] float32 logits as the reference states it: each round
+    """Sinkhorn normalisation of [..., L, L] float32 logits as the reference states it: each round
     subtracts the logsumexp over rows, then over columns; the result is ``exp`` of the final logits."""
     log_k = logits
     for _ in range(iterations):
@@ -69,13 +69,13 @@ def log_space_sinkhorn(logits: torch.Tensor, iterations: int = SINKHORN_ITERATIO
 
 
 def sinkhorn(logits: torch.Tensor, iterations: int = SINKHORN_ITERATIONS) -> torch.Tensor:
-    """Doubly-stochastic [..., n, n] float32 matrices: `log_space_sinkhorn`, computed in linear space.
+    """Doubly-stochastic [..., L, L] float32 matrices: `log_space_sinkhorn`, computed in linear space.
 
     Subtracting a row's logsumexp from its logits is dividing ``exp(logits)`` by the row's sum, so
     ``k = exp(logits - max)`` normalised by row sums, then column sums, per round, is the same
     computation in exact arithmetic. It takes 2 tensor ops per half-round instead of about 9 (a
     logsumexp is max, subtract, exp, sum, log, add, with infinity guards); the routing matrices are
-    tiny ([B, S, 4, 4], 20 rounds in each of 27 layers), so op count is all their cost in decoding.
+    tiny ([B, T, 4, 4], 20 rounds in each of 27 layers), so op count is all their cost in decoding.
 
     Linear space could underflow where one matrix's logits spread far (see
     ``SINKHORN_LINEAR_SPACE_MAX_SPREAD``); such matrices take the log-space result. Run eagerly, the
@@ -108,7 +108,7 @@ def _linear_space_sinkhorn(shifted: torch.Tensor, iterations: int, floor: float 
 
 
 def walsh_transform(z: torch.Tensor, walsh: Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """``z @ walsh_matrix(n)`` over the last axis. ``walsh``: the [n, n] matrix, or its Kronecker factors
+    """``z @ walsh_matrix(W)`` over the last axis. ``walsh``: the [W, W] matrix, or its Kronecker factors
     (W_a [a, a], W_b [b, b]) (`numerics.walsh_factor_sizes`) for two small products instead of one
     product with the matrix (`NeedleModel.walsh` picks which)."""
     if isinstance(walsh, torch.Tensor):
@@ -120,9 +120,9 @@ def walsh_transform(z: torch.Tensor, walsh: Union[torch.Tensor, tuple[torch.Tens
 
 
 def architecture_constant(name: str, config: NeedleConfig) -> np.ndarray:
-    """A constant table of the architecture: ``walsh`` [n, n] (the MLPs' orthonormal Walsh-Hadamard
+    """A constant table of the architecture: ``walsh`` [W, W] (the MLPs' orthonormal Walsh-Hadamard
     matrix), ``walsh_a`` [a, a] and ``walsh_b`` [b, b] (its Kronecker factors,
-    `numerics.walsh_factor_sizes`), ``rope_inverse_frequencies`` [head_dim // 2], ``pre_offsets`` /
+    `numerics.walsh_factor_sizes`), ``rope_inverse_frequencies`` [H // 2], ``pre_offsets`` /
     ``post_offsets`` [layers, L] (hyper-connection lane ownership)."""
     if name == "walsh":
         return walsh_matrix(config.hadamard_size)
@@ -140,14 +140,14 @@ def walsh_operand(
     config: NeedleConfig, table: Callable[[str], torch.Tensor]
 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """What the MLPs' `walsh_transform` reads, from ``table(name)`` (an `architecture_constant`): the
-    Kronecker factors (two small products, ~10x fewer multiply-adds than the [n, n] matrix), or with
+    Kronecker factors (two small products, ~10x fewer multiply-adds than the [W, W] matrix), or with
     deploy numerics the matrix, whose order of summation the reference's 4-bit KV levels were rounded from."""
     operand = tuple(table(name) for name in walsh_operand_names(deploy_numerics=bool(config.deploy_numerics)))
     return operand[0] if len(operand) == 1 else operand
 
 
 def lane_mean(lanes: torch.Tensor) -> torch.Tensor:
-    """Mean over the hyper-connection lanes [B, S, L, d] -> [B, S, d], accumulated in float32."""
+    """Mean over the hyper-connection lanes [B, T, L, D] -> [B, T, D], accumulated in float32."""
     return lanes.float().mean(dim=2).to(lanes.dtype)
 
 

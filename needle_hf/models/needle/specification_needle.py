@@ -7,7 +7,7 @@ helpers each defines. `tests/models/test_twin_ops.py` runs both models' helpers 
 `tests/models/test_ops_parity.py` pins them to the NumPy statement (`conversion/native_forward.py`).
 
 Axis legend (shape comments and einsum strings of both models and the NumPy statement; lower case
-in einsum strings):
+in einsum strings; `tests/models/test_axis_legend.py` holds every bracketed shape of both models to it):
 
   ====  ==============================================  ====  =====================================
   B     batch                                           V     vocabulary
@@ -20,7 +20,9 @@ in einsum strings):
                                                               lane-mixing matrix
   C     engram context positions                        E     engram input width (tables * sub_dim)
   W     Hadamard width (a power of two >= D)            P     pooling probes
-  F     pooled cells (position, layer) of probe pooling
+  F     pooled cells (position, layer) of probe         R     engram lookback reach (a token and
+        pooling                                               the engram_history positions before it)
+  Q     sequences of a packed batch                     M     positions of one packed sequence
   ====  ==============================================  ====  =====================================
 
 One numerical choice per op (both models; the compute dtype is the parameters' dtype):
