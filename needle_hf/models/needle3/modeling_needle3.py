@@ -744,6 +744,36 @@ class Needle3ForCausalLM(Needle3PreTrainedModel, GenerationMixin):
         return {"input_ids": input_ids, "attention_mask": attention_mask, "past_key_values": past_key_values,
                 "use_cache": use_cache}
 
+    def ladder(self, depth: int) -> "Needle3ForCausalLM":
+        """The ladder's nested sub-model of `depth` layers (early exit): a new model with
+        `config.ladder_config(depth)` and copies of this model's weights: the kept layers
+        (`config.ladder_layers(depth)`) renumbered, the engram sites of kept layers, the embedding and
+        final norm, and the probe heads' pooling rows of the embeddings and the kept layers."""
+        kept = self.config.ladder_layers(depth)
+        rung = type(self)(self.config.ladder_config(depth))
+        new_layer = {str(layer): str(i) for i, layer in enumerate(kept)}
+        sites = [site for site, layer in enumerate(self.config.engram_layers) if layer in kept]
+        new_site = {str(site): str(i) for i, site in enumerate(sites)}
+        rows = torch.tensor([0, *(layer + 1 for layer in kept)])
+        state = {}
+        for name, tensor in self.state_dict().items():
+            parts = name.split(".")
+            if parts[:2] == ["model", "layers"]:
+                if parts[2] not in new_layer:
+                    continue
+                parts[2] = new_layer[parts[2]]
+            elif parts[:2] == ["model", "engrams"]:
+                if parts[2] not in new_site:
+                    continue
+                parts[2] = new_site[parts[2]]
+            elif parts[0].endswith("_head") and parts[-1] in ("probes", "gain"):
+                tensor = tensor.index_select(0, rows.to(tensor.device))
+            elif parts[0].endswith("_head") and parts[-1] == "row_bias":
+                tensor = tensor.index_select(1, rows.to(tensor.device))
+            state[".".join(parts)] = tensor.clone()
+        rung.load_state_dict(state, strict=True)
+        return rung.to(device=self.device, dtype=self.dtype).train(self.training)
+
     def _beam_search(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
                      **model_kwargs):
         """transformers' beam search, which reads `vocab_size` columns of scores: the output head's
