@@ -11,6 +11,8 @@ import torch
 from needle_hf.models.needle3 import Needle3Config
 from needle_hf.models.needle3.modeling_needle3 import Needle3Cache
 
+pytestmark = pytest.mark.v5  # also runs under transformers 5.x (.venv-v5)
+
 # Every option on, odd geometry (MLP padded 40 -> 64, 3 lanes, window 3, one global layer).
 CONFIG = dict(
     vocab_size=120, hidden_size=40, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=4, head_dim=6,
