@@ -7,7 +7,7 @@ from importlib import metadata
 
 REFERENCE_TESTS = [
     "test_needle3_parity.py", "test_needle3_conversion.py", "test_needle3_readme.py", "test_needle3_tokenizer.py",
-    "test_needle3_cact.py",
+    "test_needle3_cact.py", "test_needle3_ladder.py",
 ]
 
 try:

@@ -375,6 +375,54 @@ class Needle3Config(EngramGeometry, PretrainedConfig):
             if not ok():
                 raise ValueError(f"Invalid Needle3Config: {message()}")
 
+    # ----------------------------------------------------------------------------------------------
+    # Ladder early exit: nested sub-models that keep `depth` of the layers.
+    def ladder_layer_order(self) -> tuple:
+        """The order in which layers join the ladder's rungs: `ladder_order` when set, else the first
+        and last layer, then repeatedly the middle of the widest gap between chosen layers (the
+        leftmost gap on a tie), so every rung is spread evenly over the depth."""
+        if self.ladder_order:
+            return tuple(self.ladder_order)
+        last = self.num_hidden_layers - 1
+        if last == 0:
+            return (0,)
+        chosen = [0, last]
+        while len(chosen) < self.num_hidden_layers:
+            ordered = sorted(chosen)
+            left, right = max(zip(ordered, ordered[1:]), key=lambda pair: (pair[1] - pair[0], -pair[0]))
+            chosen.append((left + right) // 2)
+        return tuple(chosen)
+
+    def ladder_layers(self, depth: int) -> tuple:
+        """The original layer indices (ascending) a rung of `depth` layers keeps: the first `depth`
+        of `ladder_layer_order()`. A rung keeps at least 2 layers and fewer than all of them."""
+        layers = self.num_hidden_layers
+        if isinstance(depth, bool) or not isinstance(depth, int) or not 2 <= depth < layers:
+            raise ValueError(
+                f"ladder depth: expected an integer in [2, {layers - 1}] (at least 2 layers, fewer than "
+                f"num_hidden_layers={layers}), got {_shown(depth)}")
+        return tuple(sorted(self.ladder_layer_order()[:depth]))
+
+    def ladder_config(self, depth: int) -> "Needle3Config":
+        """The config of the rung of `depth` layers: `num_hidden_layers=depth`, and `ladder_order`,
+        `global_layers` and `engram_layers` renumbered to the kept layers (those of dropped layers
+        gone); `ladder_depths` cleared. Every other field is this config's."""
+        if list(self.engram_layers) != sorted(self.engram_layers):
+            raise ValueError(f"ladder_config: engram_layers must be ascending, got {list(self.engram_layers)}")
+        kept = self.ladder_layers(depth)
+        renumber = {layer: i for i, layer in enumerate(kept)}
+        fields = self.to_dict()
+        for name in ("model_type", "transformers_version", "architectures", "auto_map"):
+            fields.pop(name, None)
+        fields.update(
+            num_hidden_layers=depth,
+            ladder_order=[renumber[layer] for layer in self.ladder_layer_order() if layer in renumber],
+            global_layers=[renumber[layer] for layer in self.global_layers if layer in renumber],
+            engram_layers=[renumber[layer] for layer in self.engram_layers if layer in renumber],
+            ladder_depths=[],
+        )
+        return type(self)(**fields)
+
     def save_pretrained(self, save_directory, push_to_hub=False, **kwargs):
         """`PretrainedConfig.save_pretrained`, plus the model code and `auto_map` beside config.json, so
         that the folder loads with `trust_remote_code=True` without needle_hf (see remote_code_needle3.py)."""

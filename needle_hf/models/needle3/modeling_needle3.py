@@ -189,6 +189,21 @@ class Needle3Cache:
     def __len__(self) -> int:
         return len(self.layers)
 
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Keep row `beam_idx[i]` as row i of every batched tensor (beam search's reorder, in place).
+
+        beam_idx [B'] indexes the current batch rows; every piece of state follows it: keys, values
+        and Q/K/V conv histories per layer, the engram histories and the hash's last tokens."""
+        def pick(tensor):
+            return None if tensor is None else tensor.index_select(0, beam_idx.to(tensor.device))
+
+        for layer in self.layers:
+            layer.keys, layer.values = pick(layer.keys), pick(layer.values)
+            if layer.conv_history is not None:
+                layer.conv_history = tuple(pick(part) for part in layer.conv_history)
+        self.engram_history = [pick(history) for history in self.engram_history]
+        self.token_history = pick(self.token_history)
+
 
 def _history(stored: Optional[torch.Tensor], batch: int, length: int, width: int, like: torch.Tensor) -> torch.Tensor:
     """The stored history [B, length, width], or zeros when nothing is stored yet."""
@@ -649,6 +664,19 @@ class Needle3Model(Needle3PreTrainedModel):
         )
 
 
+class Needle3FullVocabularyScores:
+    """A logits processor: scores [B, out_vocab] -> [B, vocab_size], the missing columns -inf."""
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
+        missing = self.vocab_size - scores.shape[-1]
+        if missing <= 0:
+            return scores
+        return torch.cat([scores, scores.new_full((*scores.shape[:-1], missing), float("-inf"))], dim=-1)
+
+
 class Needle3ForCausalLM(Needle3PreTrainedModel, GenerationMixin):
     """Needle 3 with its tied output head (the first `out_vocab` embedding rows) and the optional
     embedding, confidence and router heads."""
@@ -715,6 +743,46 @@ class Needle3ForCausalLM(Needle3PreTrainedModel, GenerationMixin):
             input_ids = input_ids[:, past_key_values.seen :]
         return {"input_ids": input_ids, "attention_mask": attention_mask, "past_key_values": past_key_values,
                 "use_cache": use_cache}
+
+    def ladder(self, depth: int) -> "Needle3ForCausalLM":
+        """The ladder's nested sub-model of `depth` layers (early exit): a new model with
+        `config.ladder_config(depth)` and copies of this model's weights: the kept layers
+        (`config.ladder_layers(depth)`) renumbered, the engram sites of kept layers, the embedding and
+        final norm, and the probe heads' pooling rows of the embeddings and the kept layers."""
+        kept = self.config.ladder_layers(depth)
+        rung = type(self)(self.config.ladder_config(depth))
+        new_layer = {str(layer): str(i) for i, layer in enumerate(kept)}
+        sites = [site for site, layer in enumerate(self.config.engram_layers) if layer in kept]
+        new_site = {str(site): str(i) for i, site in enumerate(sites)}
+        rows = torch.tensor([0, *(layer + 1 for layer in kept)])
+        state = {}
+        for name, tensor in self.state_dict().items():
+            parts = name.split(".")
+            if parts[:2] == ["model", "layers"]:
+                if parts[2] not in new_layer:
+                    continue
+                parts[2] = new_layer[parts[2]]
+            elif parts[:2] == ["model", "engrams"]:
+                if parts[2] not in new_site:
+                    continue
+                parts[2] = new_site[parts[2]]
+            elif parts[0].endswith("_head") and parts[-1] in ("probes", "gain"):
+                tensor = tensor.index_select(0, rows.to(tensor.device))
+            elif parts[0].endswith("_head") and parts[-1] == "row_bias":
+                tensor = tensor.index_select(1, rows.to(tensor.device))
+            state[".".join(parts)] = tensor.clone()
+        rung.load_state_dict(state, strict=True)
+        return rung.to(device=self.device, dtype=self.dtype).train(self.training)
+
+    def _beam_search(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
+                     **model_kwargs):
+        """transformers' beam search, which reads `vocab_size` columns of scores: the output head's
+        `out_vocab` columns are widened first (rows past `out_vocab` can never be chosen)."""
+        from transformers import LogitsProcessorList
+
+        widened = LogitsProcessorList([Needle3FullVocabularyScores(self.config.vocab_size), *logits_processor])
+        return super()._beam_search(input_ids, widened, stopping_criteria, generation_config, synced_gpus,
+                                    **model_kwargs)
 
     # ----------------------------------------------------------------------------------------------
     # Probe heads: cells are the embeddings and every layer's lane mean, computed with padding
