@@ -102,10 +102,10 @@ def test_flax_generate_refuses_bad_use_mtp_and_prompts_naming_them(tiny_models):
     model = tiny_models[False]
     for options, problem in [
         ({"input_ids": np.ones((1, 3), np.int32), "use_mtp": "yes"}, r"use_mtp: expected True, False or None, found 'yes'"),
-        ({"input_ids": np.ones((1, 3), np.float32)}, r"input_ids: expected integer ids \[batch, tokens\], found float32"),
-        ({"input_ids": np.ones(3, np.int32)}, r"input_ids: expected integer ids \[batch, tokens\], found int32 of shape \(3,\)"),
+        ({"input_ids": np.ones((1, 3), np.float32)}, r"input_ids: expected an integer tensor \[batch, tokens\], found float32"),
+        ({"input_ids": np.ones(3, np.int32)}, r"input_ids: expected an integer tensor \[batch, tokens\], found int32 of shape \(3,\)"),
         ({"input_ids": np.full((1, 3), 10**6, np.int32), "use_mtp": True}, r"input_ids: expected ids in \[0, "),
-        ({"input_ids": [[1, 2], [3]]}, r"input_ids: expected integer ids"),
+        ({"input_ids": [[1, 2], [3]]}, r"input_ids: expected an integer tensor"),
     ]:
         with pytest.raises(ValueError, match=problem):
             model.generate(**options, max_new_tokens=2, do_sample=False)
