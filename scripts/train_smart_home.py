@@ -238,7 +238,7 @@ def held_out_scores(folder: Path, examples: list[dict]) -> dict:
     per_category = {c: [0, 0] for c in CATEGORIES}
     failures = []
     for example in examples:
-        key = (json.dumps(example["tools"], sort_keys=True), example["system"])
+        key = (json.dumps(example["tools"], sort_keys=True, allow_nan=False), example["system"])
         if key not in agents:
             agents[key] = Needle(str(folder), tools=example["tools"], system=example["system"])
         agent = agents[key]
@@ -261,8 +261,8 @@ def score_case(agent, query: str, want: list) -> tuple[bool, list]:
     validation = response.get("validation") or {}
     if got and (validation.get("ungrounded") or validation.get("negation")):
         got = []
-    ok = got == want or sorted(json.dumps(c, sort_keys=True) for c in got) == sorted(
-        json.dumps(c, sort_keys=True) for c in want)
+    ok = got == want or sorted(json.dumps(c, sort_keys=True, allow_nan=False) for c in got) == sorted(
+        json.dumps(c, sort_keys=True, allow_nan=False) for c in want)
     return ok, got
 
 
