@@ -24,7 +24,6 @@ conversation compiles few shapes.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import time
@@ -66,20 +65,6 @@ def _grammar_for(tokenizer, vocab_size: int, *, enabled: bool):
         return ToolCallGrammar(tokenizer, vocab_size=vocab_size)
     except ImportError:  # the [grammar] extra is not installed: decode unconstrained
         return None
-
-
-@contextlib.contextmanager
-def _torch_threads_restored(threads: Optional[int]):
-    """torch's intra-op thread count set to ``threads`` (None: left alone) inside, put back on leaving."""
-    import torch
-
-    previous = torch.get_num_threads()
-    if threads is not None:
-        torch.set_num_threads(threads)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
 
 
 def _softmax(logits: np.ndarray) -> np.ndarray:
@@ -155,6 +140,8 @@ class TorchBackend(_Backend):
         import torch
         from transformers import DynamicCache
 
+        from ..models.needle.generation_needle import torch_threads
+
         ids, mask = self._left_padded(rows, max(len(r) for r in rows))
         batch, width = ids.shape
         device = self.model.device
@@ -171,7 +158,7 @@ class TorchBackend(_Backend):
         tokens, step_positions = sequences, positions
         prefill = None
         start = time.perf_counter()
-        with torch.no_grad(), _torch_threads_restored(self.cpu_threads if device.type == "cpu" else None):
+        with torch.no_grad(), torch_threads(self.cpu_threads if device.type == "cpu" else None):
             for step in range(max_new_tokens):
                 out = self.model(input_ids=tokens, attention_mask=attention, position_ids=step_positions, cache=cache,
                                  use_cache=True, output_hidden_states=cells, logits_to_keep=1, return_dict=True)
@@ -213,6 +200,8 @@ class TorchBackend(_Backend):
         import torch
         from transformers import CompileConfig, LogitsProcessor, LogitsProcessorList
 
+        from ..models.needle.generation_needle import torch_threads
+
         clock: list[float] = []
 
         class _Clock(LogitsProcessor):
@@ -226,7 +215,7 @@ class TorchBackend(_Backend):
         options = {"cache_implementation": "static",
                    "compile_config": CompileConfig(fullgraph=True, dynamic=False, mode="default")} if compiled else {}
         start = time.perf_counter()
-        with torch.no_grad(), _torch_threads_restored(self.cpu_threads if device.type == "cpu" else None):
+        with torch.no_grad(), torch_threads(self.cpu_threads if device.type == "cpu" else None):
             out = self.model.generate(
                 input_ids=torch.from_numpy(ids).to(device), attention_mask=torch.from_numpy(mask).to(device),
                 max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,

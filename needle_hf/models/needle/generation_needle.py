@@ -7,6 +7,7 @@ lookup, the compiled static-cache decoding step and the CPU thread policy.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 from typing import Optional
@@ -30,6 +31,18 @@ _THREADS_AT_IMPORT = torch.get_num_threads()
 
 def _threads_chosen_by_user() -> bool:
     return bool(os.environ.get("OMP_NUM_THREADS")) or torch.get_num_threads() != _THREADS_AT_IMPORT
+
+
+@contextlib.contextmanager
+def torch_threads(threads: Optional[int]):
+    """torch's intra-op thread count set to ``threads`` (None: left alone) inside, put back on leaving."""
+    previous = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 def check_prompt_ids(input_ids, vocab_size: int) -> None:
@@ -62,14 +75,8 @@ class NeedleGenerationMixin(GenerationMixin):
         thread count set with ``torch.set_num_threads`` (after importing this module) or
         ``OMP_NUM_THREADS`` is left alone; the previous count is restored afterwards either way.
         """
-        if self.device.type != "cpu" or _threads_chosen_by_user():
+        with torch_threads(None if self.device.type != "cpu" or _threads_chosen_by_user() else 1):
             return self._generate_with_drafts(inputs, generation_config, **kwargs)
-        previous = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            return self._generate_with_drafts(inputs, generation_config, **kwargs)
-        finally:
-            torch.set_num_threads(previous)
 
     def get_compiled_call(self, compile_config) -> "LayerCompiledCall":
         """The decoding step `generate` runs with a static cache when it compiles (``compile_config``):
