@@ -32,12 +32,15 @@ from __future__ import annotations
 
 from typing import Optional
 
+import datasets
 import torch
 import torch.nn.functional as F
+from torch.utils.data import DataLoader
 from transformers import Trainer
 
 from .data import IGNORE_INDEX, checked_option
 from .heads import confidence_loss
+from .shared_prefix import shared_prefix_forward
 
 #: Module names (PyTorch) of the reference's LoRA targets; ``o_proj`` is its ``out_proj``.
 LORA_TARGET_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "gate_proj", "o_proj")
@@ -153,12 +156,21 @@ class NeedleLossMixin:
         if "attention_mask" in inputs:
             inputs.pop("position_ids", None)  # a padded batch's positions follow from its mask
         position_ids = inputs.get("position_ids")
+        prefix_ids = inputs.pop("prefix_ids", None)
         with_mtp = self.mtp_loss_weight > 0
         with_confidence = self.confidence_loss_weight > 0
         if with_confidence and confidence_labels is None:
             raise ValueError("confidence_loss_weight > 0 needs batches with confidence_mask and confidence_labels"
                              " (needle_hf.finetune.heads.ConfidenceRowsCollator)")
-        outputs = model(**inputs, use_cache=False, return_mtp_logits=with_mtp, output_hidden_states=with_confidence)
+        if prefix_ids is not None:
+            if with_mtp or with_confidence:
+                raise ValueError("shared-prefix batches (prefix_ids) train the next-token loss only: set "
+                                 "mtp_loss_weight and confidence_loss_weight to 0, or collate with NeedlePaddingCollator")
+            outputs = shared_prefix_forward(model, prefix_ids=prefix_ids, input_ids=inputs["input_ids"],
+                                            attention_mask=inputs["attention_mask"])
+        else:
+            outputs = model(**inputs, use_cache=False, return_mtp_logits=with_mtp,
+                            output_hidden_states=with_confidence)
         loss = needle_causal_lm_loss(
             outputs.logits, labels, mtp_logits=outputs.mtp_logits if with_mtp else None,
             mtp_loss_weight=self.mtp_loss_weight, num_items_in_batch=num_items_in_batch, position_ids=position_ids,
@@ -184,4 +196,40 @@ class NeedleLossMixin:
 
 
 class NeedleTrainer(NeedleLossMixin, Trainer):
-    """`transformers.Trainer` with the Needle fine-tuning loss (``mtp_loss_weight`` as in `NeedleLossMixin`)."""
+    """`transformers.Trainer` with the Needle fine-tuning loss (``mtp_loss_weight`` as in `NeedleLossMixin`).
+
+    Args:
+        train_batch_sampler: batches of training-set indices in place of `Trainer`'s sampler and
+            ``per_device_train_batch_size`` (one process), e.g.
+            `needle_hf.finetune.shared_prefix.PrefixGroupedBatchSampler` with `SharedPrefixCollator`:
+            rows that offer the same tools then run their common prompt once per batch.
+        Every other argument is `NeedleLossMixin`'s and the trainer's.
+    """
+
+    def __init__(self, *args, train_batch_sampler=None, **trainer_arguments):
+        super().__init__(*args, **trainer_arguments)
+        if train_batch_sampler is not None:
+            if not hasattr(train_batch_sampler, "__iter__") or not hasattr(train_batch_sampler, "__len__"):
+                raise ValueError(f"train_batch_sampler: expected an iterable of index lists with a length, found "
+                                 f"{type(train_batch_sampler).__name__}")
+            if self.args.world_size > 1:
+                raise ValueError(f"train_batch_sampler: batches are drawn for one process; this run has "
+                                 f"{self.args.world_size}")
+        self.train_batch_sampler = train_batch_sampler
+
+    def get_train_dataloader(self):
+        if self.train_batch_sampler is None:
+            return super().get_train_dataloader()
+        if self.train_dataset is None:
+            raise ValueError("NeedleTrainer: training needs a train_dataset")
+        rows, keyed = len(self.train_dataset), getattr(self.train_batch_sampler, "rows", None)
+        if keyed is not None and keyed != rows:
+            raise ValueError(f"train_batch_sampler: expected one key per training row ({rows}), found {keyed}")
+        dataset, collator = self.train_dataset, self.data_collator
+        if isinstance(dataset, datasets.Dataset):
+            dataset = self._remove_unused_columns(dataset, description="training")
+        else:
+            collator = self._get_collator_with_removed_columns(collator, description="training")
+        loader = DataLoader(dataset, batch_sampler=self.train_batch_sampler, collate_fn=collator,
+                            num_workers=self.args.dataloader_num_workers, pin_memory=self.args.dataloader_pin_memory)
+        return self.accelerator.prepare(loader)
