@@ -220,6 +220,34 @@ def test_the_decoding_loop_gives_generate_s_tokens_and_reads_the_confidence_on_t
             assert generation.confidence is None
 
 
+@pytest.mark.skipif(not HAS_FLAX, reason="transformers 5 has no Flax")
+def test_the_flax_loop_reads_the_confidence_off_its_decoding_steps(agents, monkeypatch):
+    """On a left-padded batch the Flax backend's confidence, read off the cells its prefill and decoding
+    steps return, equals the head run afresh on prompt + answer (to 1e-5), without that second forward."""
+    agent = agents("flax")
+    backend = agent._backend
+    prompts = []
+    for query in QUERIES:
+        agent.reset()
+        agent._messages.append({"role": "user", "content": query})
+        agent._offered = agent._route(query)
+        prompts.append(agent._prompt_ids(MAX_NEW_TOKENS))
+    assert len(set(map(len, prompts))) > 1  # the batch is left-padded
+    second_forwards = []
+    afresh = backend.confidence
+    monkeypatch.setattr(backend, "confidence", lambda rows: second_forwards.append(rows) or afresh(rows))
+    generations = backend.generate(prompts, max_new_tokens=MAX_NEW_TOKENS, tools=agent._offered)
+    assert any(generation.finished for generation in generations)
+    for row, generation in enumerate(generations):
+        if generation.finished:
+            assert generation.confidence == pytest.approx(afresh([prompts[row] + generation.ids])[0], abs=1e-5)
+        else:
+            assert generation.confidence is None
+    agent.reset()
+    envelope = agent.complete(QUERIES[next(row for row, g in enumerate(generations) if g.finished)], MAX_NEW_TOKENS)
+    assert second_forwards == [] and (envelope["confidence"] is not None) == envelope["success"]
+
+
 @pytest.mark.parametrize("framework", TWINS)
 def test_run_calls_the_function_and_feeds_the_result_back(agents, framework):
     agent = agents(framework)
