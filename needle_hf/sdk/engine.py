@@ -15,8 +15,8 @@
 Greedy decoding on both. PyTorch: a plain loop over the model's cache (the prompt once, then one
 token a forward, the grammar's mask applied to each step's logits), on ``cpu_threads`` threads; with
 a confidence head each forward also returns its hidden states, so the head is read without running
-the prompt again. With ``compile=True``: `generate()` with a static cache and compiled layer
-programs. Flax: a loop of two compiled functions, the prefill and one cached decoding step, with
+the prompt again. With ``compile=True`` the same loop over a static cache, its steps through the
+model's compiled layer programs. Flax: a loop of two compiled functions, the prefill and one cached decoding step, with
 the grammar's mask applied on the host between steps, the confidence head read off the steps' cells
 as on PyTorch.
 Prompts are left-padded to a multiple of 64 tokens and the cache to one of 256 on Flax, so a
@@ -34,6 +34,7 @@ import numpy as np
 
 FRAMEWORKS = ("pt", "flax")
 _FLAX_BUCKET = 64
+_STATIC_CACHE_BUCKET = 256
 
 
 @dataclasses.dataclass
@@ -128,7 +129,7 @@ class TorchBackend(_Backend):
         self.cpu_threads = cpu_threads
 
     def generate(self, rows, *, max_new_tokens: int, tools=None) -> list[Generation]:
-        if self.compile or self._needle3:  # Needle 3's forward has its own cache and no position_ids
+        if self._needle3:  # Needle 3's forward has its own cache and no position_ids
             return self._generate_with_generate(rows, max_new_tokens=max_new_tokens, tools=tools,
                                                 compiled=self.compile)
         return self._generate_greedy(rows, max_new_tokens=max_new_tokens, tools=tools)
@@ -137,9 +138,14 @@ class TorchBackend(_Backend):
         """Greedy decoding with the model's cache in a plain loop: the prompt once, then one token a
         forward, positions and masks as `generate()` builds them (so the same tokens). With a
         confidence head every forward also returns its hidden states, and the head reads them after
-        the answer, so the prompt is not run a second time."""
+        the answer, so the prompt is not run a second time.
+
+        With ``compile``: a static cache, its length rounded up to a multiple of
+        `_STATIC_CACHE_BUCKET` (the step programs compile once per cache length), and every step after
+        the prompt through the model's compiled decoding call (`get_compiled_call`, as `generate()`
+        with a static cache and a compile config runs it)."""
         import torch
-        from transformers import DynamicCache
+        from transformers import CompileConfig, DynamicCache, StaticCache
 
         from ..models.needle.generation_needle import torch_threads
 
@@ -152,7 +158,14 @@ class TorchBackend(_Backend):
         attention = torch.from_numpy(mask).to(device)
         positions = attention.cumsum(-1) - 1
         positions.masked_fill_(attention == 0, 1)
-        cache = DynamicCache(config=self.config)
+        step_forward = self.model
+        if self.compile:
+            length = -(-(width + max_new_tokens) // _STATIC_CACHE_BUCKET) * _STATIC_CACHE_BUCKET
+            length = max(width + max_new_tokens, min(length, self.max_positions))
+            cache = StaticCache(config=self.config, max_cache_len=length)
+            step_forward = self.model.get_compiled_call(CompileConfig(fullgraph=True, dynamic=False, mode="default"))
+        else:
+            cache = DynamicCache(config=self.config)
         fed_cells, fed_keep = [], [attention.bool()]  # per forward: cells [B, S, L + 1, d], kept [B, S]
         unfinished = torch.ones(batch, dtype=torch.bool, device=device)
         new, probs = [], []  # per step: [B] token, [B] its probability
@@ -161,8 +174,9 @@ class TorchBackend(_Backend):
         start = time.perf_counter()
         with torch.no_grad(), torch_threads(self.cpu_threads if device.type == "cpu" else None):
             for step in range(max_new_tokens):
-                out = self.model(input_ids=tokens, attention_mask=attention, position_ids=step_positions, cache=cache,
-                                 use_cache=True, output_hidden_states=cells, logits_to_keep=1, return_dict=True)
+                forward = self.model if step == 0 else step_forward  # the prompt runs eagerly, as in generate()
+                out = forward(input_ids=tokens, attention_mask=attention, position_ids=step_positions, cache=cache,
+                              use_cache=True, output_hidden_states=cells, logits_to_keep=1, return_dict=True)
                 if cells:
                     fed_cells.append(self.model.cells_from_hidden_states(tokens, out.hidden_states))
                 scores = out.logits[:, -1].float()  # [B, V]

@@ -220,6 +220,30 @@ def test_the_decoding_loop_gives_generate_s_tokens_and_reads_the_confidence_on_t
             assert generation.confidence is None
 
 
+def test_compile_runs_the_same_loop_through_the_compiled_steps(folder, agents):
+    """`compile=True`: the loop over a static cache, each step after the prompt through the model's
+    compiled call, gives the plain loop's answers on a left-padded batch and reads the confidence
+    off its steps (compiled products sum in another order: probabilities to 1e-3)."""
+    plain = agents("pt")
+    compiled = needle_hf.Needle(folder, tools=DEMO_FUNCTIONS, compile=True)
+    prompts = []
+    for query in QUERIES:
+        plain.reset()
+        plain._messages.append({"role": "user", "content": query})
+        plain._offered = plain._route(query)
+        prompts.append(plain._prompt_ids(MAX_NEW_TOKENS))
+    want = plain._backend.generate(prompts, max_new_tokens=MAX_NEW_TOKENS, tools=plain._offered)
+    got = compiled._backend.generate(prompts, max_new_tokens=MAX_NEW_TOKENS, tools=plain._offered)
+    assert compiled._backend.model._compiled_call.programs  # the steps ran compiled programs
+    assert any(generation.finished for generation in want)
+    for expected, generation in zip(want, got):
+        assert generation.ids == expected.ids and generation.finished == expected.finished
+        assert generation.token_probs == pytest.approx(expected.token_probs, abs=1e-3)
+        assert (generation.confidence is None) == (expected.confidence is None)
+        if expected.confidence is not None:
+            assert generation.confidence == pytest.approx(expected.confidence, abs=1e-3)
+
+
 @pytest.mark.skipif(not HAS_FLAX, reason="transformers 5 has no Flax")
 def test_the_flax_loop_reads_the_confidence_off_its_decoding_steps(agents, monkeypatch):
     """On a left-padded batch the Flax backend's confidence, read off the cells its prefill and decoding
