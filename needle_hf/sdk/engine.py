@@ -292,6 +292,7 @@ class FlaxBackend(_Backend):
 
         super().__init__(model, tokenizer, grammar=grammar)
         self._params = with_decoding_kernels(model.params, model.config)
+        self._empty = (None, None)  # (batch, cache length), the empty cache of that shape
 
         cells = self.has_confidence_head
 
@@ -308,6 +309,13 @@ class FlaxBackend(_Backend):
             {"params": params}, cells, keep, method=_confidence_head_of_cells))
         self._embed = jax.jit(lambda params, ids, mask: model.contrastive_embedding(ids, mask, params=params))
 
+    def _empty_cache(self, batch: int, total: int) -> dict:
+        """`init_cache(batch, total)`, kept for the next call of the same shape: making it traces the
+        whole model (seconds), and a step never changes it (jax arrays are immutable)."""
+        if self._empty[0] != (batch, total):
+            self._empty = ((batch, total), self.model.init_cache(batch, total))
+        return self._empty[1]
+
     def _padded_to_bucket(self, rows):
         width = -(-max(len(r) for r in rows) // _FLAX_BUCKET) * _FLAX_BUCKET
         return self._left_padded(rows, width)
@@ -322,7 +330,7 @@ class FlaxBackend(_Backend):
         # The cache length is rounded up too: the decoding step compiles once per cache length.
         total = -(-(width + max_new_tokens) // (4 * _FLAX_BUCKET)) * (4 * _FLAX_BUCKET)
         processor = self._processor(tools)
-        cache = self.model.init_cache(batch, total)
+        cache = self._empty_cache(batch, total)
         full_mask = np.ones((batch, total), dtype=np.int32)
         full_mask[:, :width] = mask
         positions = np.clip(np.cumsum(mask, axis=-1) - 1, 0, None).astype(np.int32)

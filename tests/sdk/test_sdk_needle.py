@@ -267,6 +267,13 @@ def test_the_flax_loop_reads_the_confidence_off_its_decoding_steps(agents, monke
             assert generation.confidence == pytest.approx(afresh([prompts[row] + generation.ids])[0], abs=1e-5)
         else:
             assert generation.confidence is None
+    # A second call of the same shape reuses the empty cache (making one traces the whole model).
+    made = []
+    init_cache = backend.model.init_cache
+    monkeypatch.setattr(backend.model, "init_cache", lambda *shape: made.append(shape) or init_cache(*shape))
+    again = backend.generate(prompts, max_new_tokens=MAX_NEW_TOKENS, tools=agent._offered)
+    assert made == [] and [g.ids for g in again] == [g.ids for g in generations]
+    assert [g.confidence for g in again] == [g.confidence for g in generations]
     agent.reset()
     envelope = agent.complete(QUERIES[next(row for row, g in enumerate(generations) if g.finished)], MAX_NEW_TOKENS)
     assert second_forwards == [] and (envelope["confidence"] is not None) == envelope["success"]
