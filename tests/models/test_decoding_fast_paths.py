@@ -18,7 +18,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from needle_hf.models.needle import ops_needle
 from needle_hf.models.needle.numerics import SINKHORN_LINEAR_SPACE_MAX_SPREAD
 
-pytestmark = pytest.mark.usefixtures("one_cpu_thread")  # conftest: torch on one thread
+pytestmark = [pytest.mark.v5, pytest.mark.usefixtures("one_cpu_thread")]  # conftest: torch on one thread
 
 
 def _general_sinkhorn(logits: torch.Tensor, iterations: int) -> torch.Tensor:
@@ -86,8 +86,8 @@ class _Module(torch.nn.Module):
        hidden=st.integers(0, 3), seed=st.integers(0, 2**16))
 def test_grouped_sdpa_equals_transformers_sdpa(new, past, groups, hidden, seed):
     """Key/value heads shared by their query group give the numbers of heads repeated per query head,
-    with a causal mask that also hides the first ``hidden`` keys (left padding) and a mask wider than
-    the keys (a static cache's)."""
+    with a causal mask that also hides the first ``hidden`` keys (left padding); the grouped kernel is
+    also given it wider than the keys (a static cache's), as transformers 4.57's kernel accepts it."""
     generator = torch.Generator().manual_seed(seed)
     kv_heads, head_dim, keys = 2, 16, past + new
     query = torch.randn(1, kv_heads * groups, new, head_dim, generator=generator)
@@ -96,7 +96,7 @@ def test_grouped_sdpa_equals_transformers_sdpa(new, past, groups, hidden, seed):
     allowed[:, : min(hidden, past)] = False
     mask = torch.zeros(1, 1, new, keys + 3).masked_fill_(~allowed, torch.finfo(torch.float32).min)
     module = _Module(groups)
-    want, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=head_dim**-0.5)
+    want, _ = sdpa_attention_forward(module, query, key, value, mask[..., :keys], scaling=head_dim**-0.5)
     got, probabilities = ops_needle.grouped_sdpa_attention_forward(module, query, key, value, mask,
                                                                      scaling=head_dim**-0.5)
     assert probabilities is None and got.shape == (1, new, kv_heads * groups, head_dim)
