@@ -9,8 +9,9 @@ own process (its own compile caches and peak RSS):
 
   - ``torch``: `Needle(folder)`, the default path (no flags, no thread setting): PyTorch, grammar
     on, retrieval off (five tools), confidence head read off the decoding forwards.
-  - ``torch-compiled``: `Needle(folder, compile=True)` (static cache, compiled layer programs).
-  - ``flax``: `Needle(folder, framework="flax")`.
+  - ``torch-compiled``: `Needle(folder, compile=True)`: the same loop over a static cache, each step
+    after the prompt through the compiled layer programs; its first call compiles them.
+  - ``flax``: `Needle(folder, framework="flax")`, confidence head read off the decoding steps too.
   - ``reference``: the reference's own Python inference path on the same weights,
     `needle.model.run.build_prompt` + `run.generate` (what `needle run` does; its native engine is
     closed and not used), greedy, no grammar.

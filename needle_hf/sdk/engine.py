@@ -15,9 +15,10 @@
 Greedy decoding on both. PyTorch: a plain loop over the model's cache (the prompt once, then one
 token a forward, the grammar's mask applied to each step's logits), on ``cpu_threads`` threads; with
 a confidence head each forward also returns its hidden states, so the head is read without running
-the prompt again. With ``compile=True``: `generate()` with a static cache and compiled layer
-programs. Flax: a loop of two compiled functions, the prefill and one cached decoding step, with
-the grammar's mask applied on the host between steps.
+the prompt again. With ``compile=True`` the same loop over a static cache, its steps through the
+model's compiled layer programs. Flax: a loop of two compiled functions, the prefill and one cached decoding step, with
+the grammar's mask applied on the host between steps, the confidence head read off the steps' cells
+as on PyTorch.
 Prompts are left-padded to a multiple of 64 tokens and the cache to one of 256 on Flax, so a
 conversation compiles few shapes.
 """
@@ -33,6 +34,7 @@ import numpy as np
 
 FRAMEWORKS = ("pt", "flax")
 _FLAX_BUCKET = 64
+_STATIC_CACHE_BUCKET = 256
 
 
 @dataclasses.dataclass
@@ -127,7 +129,7 @@ class TorchBackend(_Backend):
         self.cpu_threads = cpu_threads
 
     def generate(self, rows, *, max_new_tokens: int, tools=None) -> list[Generation]:
-        if self.compile or self._needle3:  # Needle 3's forward has its own cache and no position_ids
+        if self._needle3:  # Needle 3's forward has its own cache and no position_ids
             return self._generate_with_generate(rows, max_new_tokens=max_new_tokens, tools=tools,
                                                 compiled=self.compile)
         return self._generate_greedy(rows, max_new_tokens=max_new_tokens, tools=tools)
@@ -136,9 +138,14 @@ class TorchBackend(_Backend):
         """Greedy decoding with the model's cache in a plain loop: the prompt once, then one token a
         forward, positions and masks as `generate()` builds them (so the same tokens). With a
         confidence head every forward also returns its hidden states, and the head reads them after
-        the answer, so the prompt is not run a second time."""
+        the answer, so the prompt is not run a second time.
+
+        With ``compile``: a static cache, its length rounded up to a multiple of
+        `_STATIC_CACHE_BUCKET` (the step programs compile once per cache length), and every step after
+        the prompt through the model's compiled decoding call (`get_compiled_call`, as `generate()`
+        with a static cache and a compile config runs it)."""
         import torch
-        from transformers import DynamicCache
+        from transformers import CompileConfig, DynamicCache, StaticCache
 
         from ..models.needle.generation_needle import torch_threads
 
@@ -151,7 +158,14 @@ class TorchBackend(_Backend):
         attention = torch.from_numpy(mask).to(device)
         positions = attention.cumsum(-1) - 1
         positions.masked_fill_(attention == 0, 1)
-        cache = DynamicCache(config=self.config)
+        step_forward = self.model
+        if self.compile:
+            length = -(-(width + max_new_tokens) // _STATIC_CACHE_BUCKET) * _STATIC_CACHE_BUCKET
+            length = max(width + max_new_tokens, min(length, self.max_positions))
+            cache = StaticCache(config=self.config, max_cache_len=length)
+            step_forward = self.model.get_compiled_call(CompileConfig(fullgraph=True, dynamic=False, mode="default"))
+        else:
+            cache = DynamicCache(config=self.config)
         fed_cells, fed_keep = [], [attention.bool()]  # per forward: cells [B, S, L + 1, d], kept [B, S]
         unfinished = torch.ones(batch, dtype=torch.bool, device=device)
         new, probs = [], []  # per step: [B] token, [B] its probability
@@ -160,8 +174,9 @@ class TorchBackend(_Backend):
         start = time.perf_counter()
         with torch.no_grad(), torch_threads(self.cpu_threads if device.type == "cpu" else None):
             for step in range(max_new_tokens):
-                out = self.model(input_ids=tokens, attention_mask=attention, position_ids=step_positions, cache=cache,
-                                 use_cache=True, output_hidden_states=cells, logits_to_keep=1, return_dict=True)
+                forward = self.model if step == 0 else step_forward  # the prompt runs eagerly, as in generate()
+                out = forward(input_ids=tokens, attention_mask=attention, position_ids=step_positions, cache=cache,
+                              use_cache=True, output_hidden_states=cells, logits_to_keep=1, return_dict=True)
                 if cells:
                     fed_cells.append(self.model.cells_from_hidden_states(tokens, out.hidden_states))
                 scores = out.logits[:, -1].float()  # [B, V]
@@ -271,25 +286,43 @@ class FlaxBackend(_Backend):
 
     def __init__(self, model, tokenizer, *, grammar: bool):
         import jax
+        import jax.numpy as jnp
 
         from ..models.needle.modeling_flax_needle import with_decoding_kernels
 
         super().__init__(model, tokenizer, grammar=grammar)
         self._params = with_decoding_kernels(model.params, model.config)
+        self._empty = (None, None)  # (batch, cache length), the empty cache of that shape
+
+        cells = self.has_confidence_head
 
         def step(params, ids, mask, positions, cache):
-            out = model(ids, attention_mask=mask, position_ids=positions, params=params, past_key_values=cache)
-            return out.logits[:, -1].astype("float32"), out.past_key_values  # [B, V]
+            """-> (last logits [B, V] float32, cache, cells [B, T, L + 1, D] of the fed tokens or None)."""
+            out = model(ids, attention_mask=mask, position_ids=positions, params=params, past_key_values=cache,
+                        output_hidden_states=cells)
+            fed = jnp.stack(out.hidden_states, axis=2) if cells else None  # x0 and each layer's lane mean
+            return out.logits[:, -1].astype("float32"), out.past_key_values, fed
 
         self._step = jax.jit(step)
         self._confidence = jax.jit(lambda params, ids, mask: model.confidence_logit(ids, mask, params=params))
+        self._confidence_of_cells = jax.jit(lambda params, cells, keep: model.module.apply(
+            {"params": params}, cells, keep, method=_confidence_head_of_cells))
         self._embed = jax.jit(lambda params, ids, mask: model.contrastive_embedding(ids, mask, params=params))
+
+    def _empty_cache(self, batch: int, total: int) -> dict:
+        """`init_cache(batch, total)`, kept for the next call of the same shape: making it traces the
+        whole model (seconds), and a step never changes it (jax arrays are immutable)."""
+        if self._empty[0] != (batch, total):
+            self._empty = ((batch, total), self.model.init_cache(batch, total))
+        return self._empty[1]
 
     def _padded_to_bucket(self, rows):
         width = -(-max(len(r) for r in rows) // _FLAX_BUCKET) * _FLAX_BUCKET
         return self._left_padded(rows, width)
 
     def generate(self, rows, *, max_new_tokens: int, tools=None) -> list[Generation]:
+        """Greedy answers; with a confidence head each step also returns the cells of the tokens it fed,
+        and the head reads them after the answer (as on PyTorch), so the prompt is not run again."""
         import jax.numpy as jnp
 
         ids, mask = self._padded_to_bucket(rows)
@@ -297,7 +330,7 @@ class FlaxBackend(_Backend):
         # The cache length is rounded up too: the decoding step compiles once per cache length.
         total = -(-(width + max_new_tokens) // (4 * _FLAX_BUCKET)) * (4 * _FLAX_BUCKET)
         processor = self._processor(tools)
-        cache = self.model.init_cache(batch, total)
+        cache = self._empty_cache(batch, total)
         full_mask = np.ones((batch, total), dtype=np.int32)
         full_mask[:, :width] = mask
         positions = np.clip(np.cumsum(mask, axis=-1) - 1, 0, None).astype(np.int32)
@@ -306,9 +339,11 @@ class FlaxBackend(_Backend):
         done = np.zeros(batch, dtype=bool)
         new, probs = [[] for _ in range(batch)], [[] for _ in range(batch)]
         finished = np.zeros(batch, dtype=bool)
+        fed_cells, fed_keep = [], [mask.astype(bool)]  # per forward: cells [B, S, L + 1, D], kept [B, S]
         start = time.perf_counter()
-        logits, cache = self._step(self._params, jnp.asarray(ids, jnp.int32), jnp.asarray(full_mask),
-                                   jnp.asarray(positions), cache)
+        logits, cache, cells = self._step(self._params, jnp.asarray(ids, jnp.int32), jnp.asarray(full_mask),
+                                          jnp.asarray(positions), cache)
+        fed_cells.append(cells)
         prefill = None
         for _ in range(max_new_tokens):
             scores = np.asarray(logits)
@@ -334,13 +369,32 @@ class FlaxBackend(_Backend):
             sequences = np.concatenate([sequences, chosen[:, None].astype(sequences.dtype)], axis=1)
             if done.all():
                 break
-            logits, cache = self._step(self._params, jnp.asarray(chosen[:, None], jnp.int32), jnp.asarray(full_mask),
-                                       jnp.asarray(next_position), cache)
+            fed_keep.append(~done[:, None])  # the next forward feeds this token: part of the answer
+            logits, cache, cells = self._step(self._params, jnp.asarray(chosen[:, None], jnp.int32),
+                                              jnp.asarray(full_mask), jnp.asarray(next_position), cache)
+            fed_cells.append(cells)
             next_position = next_position + 1
         end = time.perf_counter()
         prefill = end - start if prefill is None else prefill
         decode = end - start - prefill
-        return [Generation(new[row], probs[row], bool(finished[row]), prefill, decode) for row in range(batch)]
+        head = [None] * batch
+        if self.has_confidence_head and finished.any():
+            head = self._head_of_cells(fed_cells, np.concatenate(fed_keep, axis=1), total)
+        return [Generation(new[row], probs[row], bool(finished[row]), prefill, decode,
+                           head[row] if finished[row] else None) for row in range(batch)]
+
+    def _head_of_cells(self, fed_cells, keep: np.ndarray, total: int) -> list[float]:
+        """The confidence head's probability per row from the cells [B, S, L + 1, D] of every fed token
+        and their keep mask [B, S], padded to ``total`` positions (the cache length: one compiled head
+        per cache length)."""
+        import jax.numpy as jnp
+
+        cells = jnp.concatenate(fed_cells, axis=1)
+        width = max(total, cells.shape[1])
+        cells = jnp.pad(cells, ((0, 0), (0, width - cells.shape[1]), (0, 0), (0, 0)))
+        keep = np.pad(keep, ((0, 0), (0, width - keep.shape[1])))
+        logit = np.asarray(self._confidence_of_cells(self.model.params, cells, jnp.asarray(keep)), np.float32)
+        return (1.0 / (1.0 + np.exp(-logit))).tolist()
 
     def confidence(self, rows) -> list[float]:
         ids, mask = self._padded_to_bucket(rows)
@@ -352,6 +406,11 @@ class FlaxBackend(_Backend):
         ids, mask = self._padded_to_bucket(rows)
         embedding, log_temperature = self._embed(self.model.params, ids.astype(np.int32), mask.astype(np.int32))
         return np.asarray(embedding, np.float32), float(np.exp(np.asarray(log_temperature, np.float32)))
+
+
+def _confidence_head_of_cells(module, cells, keep):
+    """`FlaxNeedleForCausalLMModule` method: the confidence logit [B] of cells [B, S, L + 1, D] and keep [B, S]."""
+    return module.confidence_head(cells, keep)
 
 
 def load_backend(model, *, framework: Optional[str] = None, tokenizer=None, grammar: bool = True,

@@ -237,6 +237,32 @@ def test_compiled_static_generate_compiles_one_program_per_layer_variant():
     assert len(model._compiled_call.programs) == 2  # one per input shape: two rows, one row
 
 
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_steps_give_the_eager_scores_when_the_first_layer_has_no_engram_site(backend):
+    """The program every layer calls is traced from the first layer; when that layer has no engram site
+    its engram key and value are zeros, and they must stay two inputs (traced as one, the value would
+    read the key in the layers that have a site). Every step's scores equal the eager ones to 1e-4."""
+    from transformers import CompileConfig
+
+    native = dict(TINY_NATIVE_CONFIG, engram_layers=(1, 2))
+    config = NeedleConfig.from_needle_config(native, use_contrastive_head=True, use_confidence_head=True)
+    model = NeedleForCausalLM._from_config(config)
+    hf = native_to_hf(make_native_params(native, seed=7), config)
+    model.load_state_dict({k: torch.from_numpy(v) for k, v in hf.items()}, strict=True)
+    model.eval()
+    ids, mask = left_padded(2, 7, seed=6)
+    options = dict(max_new_tokens=5, do_sample=False, output_scores=True, return_dict_in_generate=True, **NO_EOS)
+    with torch.no_grad():
+        eager = model.generate(ids, attention_mask=mask, **options)
+        compiled = model.generate(ids, attention_mask=mask, cache_implementation="static",
+                                  compile_config=CompileConfig(fullgraph=True, dynamic=False, backend=backend),
+                                  **options)
+    assert model._compiled_call.programs  # the steps ran the traced program
+    assert torch.equal(compiled.sequences, eager.sequences)
+    for want, got in zip(eager.scores, compiled.scores):
+        assert (want - got).abs().max().item() <= 1e-4
+
+
 def test_compiled_steps_follow_weights_changed_in_place_and_replaced_modules(params):
     """The compiled decoding step reads each layer's parameters when it runs: after weights change in
     place (a training step, `load_state_dict`) and after a PEFT adapter replaces a projection, the next

@@ -220,6 +220,65 @@ def test_the_decoding_loop_gives_generate_s_tokens_and_reads_the_confidence_on_t
             assert generation.confidence is None
 
 
+def test_compile_runs_the_same_loop_through_the_compiled_steps(folder, agents):
+    """`compile=True`: the loop over a static cache, each step after the prompt through the model's
+    compiled call, gives the plain loop's answers on a left-padded batch and reads the confidence
+    off its steps (compiled products sum in another order: probabilities to 1e-3)."""
+    plain = agents("pt")
+    compiled = needle_hf.Needle(folder, tools=DEMO_FUNCTIONS, compile=True)
+    prompts = []
+    for query in QUERIES:
+        plain.reset()
+        plain._messages.append({"role": "user", "content": query})
+        plain._offered = plain._route(query)
+        prompts.append(plain._prompt_ids(MAX_NEW_TOKENS))
+    want = plain._backend.generate(prompts, max_new_tokens=MAX_NEW_TOKENS, tools=plain._offered)
+    got = compiled._backend.generate(prompts, max_new_tokens=MAX_NEW_TOKENS, tools=plain._offered)
+    assert compiled._backend.model._compiled_call.programs  # the steps ran compiled programs
+    assert any(generation.finished for generation in want)
+    for expected, generation in zip(want, got):
+        assert generation.ids == expected.ids and generation.finished == expected.finished
+        assert generation.token_probs == pytest.approx(expected.token_probs, abs=1e-3)
+        assert (generation.confidence is None) == (expected.confidence is None)
+        if expected.confidence is not None:
+            assert generation.confidence == pytest.approx(expected.confidence, abs=1e-3)
+
+
+@pytest.mark.skipif(not HAS_FLAX, reason="transformers 5 has no Flax")
+def test_the_flax_loop_reads_the_confidence_off_its_decoding_steps(agents, monkeypatch):
+    """On a left-padded batch the Flax backend's confidence, read off the cells its prefill and decoding
+    steps return, equals the head run afresh on prompt + answer (to 1e-5), without that second forward."""
+    agent = agents("flax")
+    backend = agent._backend
+    prompts = []
+    for query in QUERIES:
+        agent.reset()
+        agent._messages.append({"role": "user", "content": query})
+        agent._offered = agent._route(query)
+        prompts.append(agent._prompt_ids(MAX_NEW_TOKENS))
+    assert len(set(map(len, prompts))) > 1  # the batch is left-padded
+    second_forwards = []
+    afresh = backend.confidence
+    monkeypatch.setattr(backend, "confidence", lambda rows: second_forwards.append(rows) or afresh(rows))
+    generations = backend.generate(prompts, max_new_tokens=MAX_NEW_TOKENS, tools=agent._offered)
+    assert any(generation.finished for generation in generations)
+    for row, generation in enumerate(generations):
+        if generation.finished:
+            assert generation.confidence == pytest.approx(afresh([prompts[row] + generation.ids])[0], abs=1e-5)
+        else:
+            assert generation.confidence is None
+    # A second call of the same shape reuses the empty cache (making one traces the whole model).
+    made = []
+    init_cache = backend.model.init_cache
+    monkeypatch.setattr(backend.model, "init_cache", lambda *shape: made.append(shape) or init_cache(*shape))
+    again = backend.generate(prompts, max_new_tokens=MAX_NEW_TOKENS, tools=agent._offered)
+    assert made == [] and [g.ids for g in again] == [g.ids for g in generations]
+    assert [g.confidence for g in again] == [g.confidence for g in generations]
+    agent.reset()
+    envelope = agent.complete(QUERIES[next(row for row, g in enumerate(generations) if g.finished)], MAX_NEW_TOKENS)
+    assert second_forwards == [] and (envelope["confidence"] is not None) == envelope["success"]
+
+
 @pytest.mark.parametrize("framework", TWINS)
 def test_run_calls_the_function_and_feeds_the_result_back(agents, framework):
     agent = agents(framework)

@@ -228,12 +228,15 @@ class LayerCompiledCall:
             )
         return self._step_key_value
 
-    def _zeros(self, lanes: torch.Tensor) -> torch.Tensor:
-        """Zeros [B, T, D] in the dtype of ``lanes`` [B, T, L, D]: the engram key and value of a layer without a site."""
+    def _zeros(self, lanes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two zero tensors [B, T, D] in the dtype of ``lanes`` [B, T, L, D]: the engram key and value of a
+        layer without a site. Two, not one twice: `torch.export` traces inputs that alias each other as one
+        input, and a program traced from such a layer would read the key as the value in every layer."""
         batch, length, _, width = lanes.shape
         zeros = self._zero_engram
-        if zeros is None or zeros.shape != (batch, length, width) or zeros.dtype != lanes.dtype or zeros.device != lanes.device:
-            zeros = self._zero_engram = lanes.new_zeros(batch, length, width)
+        if zeros is None or zeros[0].shape != (batch, length, width) or zeros[0].dtype != lanes.dtype \
+                or zeros[0].device != lanes.device:
+            zeros = self._zero_engram = (lanes.new_zeros(batch, length, width), lanes.new_zeros(batch, length, width))
         return zeros
 
     def run_layer(self, index, lanes, engram_key, engram_value, step, cache, *, lane_offsets, output_attentions):
@@ -251,7 +254,7 @@ class LayerCompiledCall:
         binding = self._bindings[index]
         key = (binding.signature, lanes.shape, lanes.dtype, cache.keys.shape, cache.keys.dtype, self._step_key(step))
         if engram_key is None:
-            engram_key = engram_value = self._zeros(lanes)
+            engram_key, engram_value = self._zeros(lanes)
         positions = _static_write_positions(cache, lanes.shape[1], step.cache_position)
         inputs = [lanes, step.attention_mask, step.cos, step.sin, positions, *self._walsh_factors, *lane_offsets,
                   cache.keys, cache.values, engram_key, engram_value, *binding.parameters]

@@ -107,6 +107,7 @@ from .numerics import (
 from .ops_needle import (
     apply_rotary,
     architecture_constant,
+    cpu_grouped_sdpa,
     engram_hash_indices,
     lane_mean,
     log_space_sinkhorn,
@@ -292,6 +293,8 @@ class NeedleAttention(nn.Module):
             )
         elif self.config._attn_implementation != "eager":  # transformers 4.57
             attention_interface = ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]
+        if step.attention_implementation is None:
+            attention_interface = cpu_grouped_sdpa(attention_interface, q)
         layout = step.packed_layout
         if layout is not None:  # packed sequences one per row: [Q, N, M, H]
             q, k, v = layout.pack(q), layout.pack(k), layout.pack(v)

@@ -7,10 +7,12 @@ names with the same arguments in `ops_flax_needle`); shapes use its axis legend.
 
 from __future__ import annotations
 
-from typing import Callable, Union
+from typing import Callable, Optional, Union
 
 import numpy as np
 import torch
+import torch.nn.functional as F
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.utils import is_torchdynamo_compiling
 
 from .configuration_needle import NeedleConfig
@@ -41,6 +43,43 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return (x * cos + rotated * sin).to(x.dtype)
+
+
+def grouped_sdpa_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Optional[torch.Tensor],
+    dropout: float = 0.0,
+    scaling: Optional[float] = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers' ``sdpa`` kernel with the key/value heads shared by their query groups
+    (``enable_gqa``) instead of repeated: with a mask, transformers repeats them for every call, a
+    copy of the whole cache per layer and step. The same numbers (PyTorch's CPU kernel groups the
+    heads itself). Used on the CPU (`cpu_grouped_sdpa`).
+
+    query: [B, N, T, H]; key, value: [B, K, S, H]; attention_mask: additive [B, 1, T, S'] (S' >= S).
+    Returns (output [B, T, N, H], None). Other keyword arguments of the interface are not read.
+    """
+    if attention_mask is not None:
+        attention_mask = attention_mask[..., : key.shape[-2]]
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
+                                         scale=scaling, is_causal=attention_mask is None and query.shape[2] > 1,
+                                         enable_gqa=key.shape[1] != query.shape[1])
+    return out.transpose(1, 2).contiguous(), None
+
+
+def cpu_grouped_sdpa(attention_interface: Callable, query: torch.Tensor) -> Callable:
+    """`grouped_sdpa_attention_forward` in place of transformers' own ``sdpa`` kernel for CPU tensors
+    outside a traced graph; any other kernel (eager, flex, one registered under the name ``sdpa``)
+    is returned unchanged."""
+    if attention_interface is not sdpa_attention_forward or query.device.type != "cpu":
+        return attention_interface
+    if is_torchdynamo_compiling() or torch.compiler.is_exporting():
+        return attention_interface
+    return grouped_sdpa_attention_forward
 
 
 def rope_tables(position_ids: torch.Tensor, inverse_frequencies: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,10 +121,18 @@ def sinkhorn(logits: torch.Tensor, iterations: int = SINKHORN_ITERATIONS) -> tor
     spread is read back to the host and log space is computed only when some matrix needs it; in a
     traced graph (`torch.compile`, `torch.export`) both are computed and `torch.where` picks per
     matrix, so the graph has no data-dependent branch. Either way each matrix gets the same numbers.
+
+    Without autograd or tracing, a few CPU matrices (a decoding step's) take `_host_sinkhorn`: the
+    same normalisation in float64 NumPy, within float32 rounding of the path above (a dozen tensor
+    ops cost more than the whole loop on the host).
     """
+    traced = is_torchdynamo_compiling() or torch.compiler.is_exporting()
+    if not traced and _host_sinkhorn_applies(logits):
+        host = _host_sinkhorn(logits.detach().numpy(), iterations)
+        if host is not None:
+            return torch.from_numpy(host)
     shifted = logits - logits.amax(dim=(-2, -1), keepdim=True)  # each matrix's largest logit at 0
     spread = -shifted.amin(dim=(-2, -1), keepdim=True)  # [..., 1, 1]
-    traced = is_torchdynamo_compiling() or torch.compiler.is_exporting()
     if not traced and (not shifted.numel() or spread.max().item() <= SINKHORN_LINEAR_SPACE_MAX_SPREAD):
         return _linear_space_sinkhorn(shifted, iterations)
     if not traced and bool((spread > SINKHORN_LINEAR_SPACE_MAX_SPREAD).all()):
@@ -94,6 +141,42 @@ def sinkhorn(logits: torch.Tensor, iterations: int = SINKHORN_ITERATIONS) -> tor
     # keeps their (discarded) linear-space rows free of 0 / 0, so gradients through `where` stay finite.
     linear = _linear_space_sinkhorn(shifted, iterations, floor=torch.finfo(torch.float32).tiny)
     return torch.where(spread <= SINKHORN_LINEAR_SPACE_MAX_SPREAD, linear, log_space_sinkhorn(logits, iterations))
+
+
+# Most matrices `_host_sinkhorn` takes: its cost grows with their number, the tensor ops' hardly.
+HOST_SINKHORN_MAX_MATRICES = 16
+
+
+def _host_sinkhorn_applies(logits: torch.Tensor) -> bool:
+    """Whether ``logits`` [..., L, L] may take `_host_sinkhorn`: float32 on the CPU, no gradient
+    recorded, at most `HOST_SINKHORN_MAX_MATRICES` matrices."""
+    return (
+        logits.device.type == "cpu"
+        and logits.dtype == torch.float32
+        and not (logits.requires_grad and torch.is_grad_enabled())
+        and 0 < logits.numel() <= HOST_SINKHORN_MAX_MATRICES * logits.shape[-1] * logits.shape[-2]
+    )
+
+
+def _host_sinkhorn(logits: np.ndarray, iterations: int) -> Union[np.ndarray, None]:
+    """`sinkhorn` of float32 ``logits`` [..., L, L] in float64 NumPy as scaling vectors, or None where a
+    matrix's spread exceeds ``SINKHORN_LINEAR_SPACE_MAX_SPREAD`` (those take the log-space path).
+
+    With ``k = exp(logits - max)``, each round's matrix is ``diag(r) k diag(c)``: normalising rows
+    sets ``r = 1 / (k c)``, normalising columns then sets ``c = 1 / (k^T r)`` (``c`` starts at ones).
+    Two [L, L] x [L] products a round instead of normalising the whole matrix twice.
+    """
+    k = logits.astype(np.float64)
+    k = k - k.max(axis=(-2, -1), keepdims=True)
+    if -k.min() > SINKHORN_LINEAR_SPACE_MAX_SPREAD:
+        return None
+    k = np.exp(k)  # [..., L, L]
+    k_t = np.swapaxes(k, -1, -2)
+    c = np.ones(k.shape[:-1] + (1,))  # [..., L, 1] column scalings
+    for _ in range(iterations):
+        r = 1.0 / (k @ c)  # [..., L, 1] row scalings
+        c = 1.0 / (k_t @ r)
+    return (r * k * np.swapaxes(c, -1, -2)).astype(np.float32)
 
 
 def _linear_space_sinkhorn(shifted: torch.Tensor, iterations: int, floor: float = 0.0) -> torch.Tensor:
