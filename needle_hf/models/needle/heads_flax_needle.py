@@ -1,5 +1,6 @@
-"""The probe-pooling heads of Flax Needle 2: tool retrieval (contrastive) and answer confidence.
-(The MTP head runs a decoder block and lives with the layers in `modeling_flax_needle`.)"""
+"""The probe-pooling heads of Flax Needle 2: tool retrieval (contrastive) and answer confidence, with the
+causal LM's methods that run them (`FlaxNeedleHeadsMixin`). (The MTP head runs a decoder block:
+`mtp_flax_needle`.)"""
 
 from __future__ import annotations
 
@@ -60,3 +61,27 @@ class FlaxNeedleConfidenceHead(nn.Module):
         pooled = probe_pool(cells, keep, probes).astype(self.dtype)
         logit = nn.Dense(1, use_bias=True, dtype=self.dtype, kernel_init=normal_initializer(cfg.initializer_range), name="proj")(pooled)
         return logit[..., 0].astype(jnp.float32)
+
+
+class FlaxNeedleHeadsMixin:
+    """`FlaxNeedleForCausalLM`'s probe-pooling heads (runs its module's `contrastive_embedding` and
+    `confidence_logit`; uses ``module``, ``params``)."""
+
+    def _apply_method(self, method, input_ids, attention_mask, params):
+        input_ids = jnp.asarray(input_ids, "i4")
+        mask = None if attention_mask is None else jnp.asarray(attention_mask, "i4")
+        return self.module.apply({"params": params or self.params}, input_ids, mask, method=method)
+
+    def contrastive_embedding(self, input_ids, attention_mask=None, params=None):
+        """Tool-retrieval embedding: (unit-norm [B, contrastive_dim], log_temperature).
+
+        Without `attention_mask`, tokens equal to `pad_token_id` are treated as padding (as the reference does).
+        """
+        return self._apply_method(type(self.module).contrastive_embedding, input_ids, attention_mask, params)
+
+    def confidence_logit(self, input_ids, attention_mask=None, params=None):
+        """Confidence logit [B] (float32) of the confidence head."""
+        return self._apply_method(type(self.module).confidence_logit, input_ids, attention_mask, params)
+
+
+__all__ = ["FlaxNeedleConfidenceHead", "FlaxNeedleContrastiveHead", "FlaxNeedleHeadsMixin", "probe_pool"]

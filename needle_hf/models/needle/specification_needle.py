@@ -63,6 +63,7 @@ TWIN_HELPERS = (
     "sinkhorn",  # (logits, iterations)
     "walsh_transform",  # (z, walsh)
     "engram_hash_indices",  # (tokens, orders, num_heads, slots)
+    "add_engram_read",  # (u, engram_key, engram_value, eps)
     "packed_segment_ids",  # (position_ids)
     "probe_pool",  # (cells, keep, probes)
     "check_prompt_ids",  # (input_ids, vocab_size)
