@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from .configuration_needle import NeedleConfig
 from .numerics import CONFIDENCE_PROBES, CONTRASTIVE_NORM_EPS, CONTRASTIVE_PROBES, CONTRASTIVE_TEMPERATURE_INIT
 from .ops_flax_needle import normal_initializer
+from .specification_needle import check_positions
 
 
 def probe_pool(cells: jnp.ndarray, keep: jnp.ndarray, probes: jnp.ndarray) -> jnp.ndarray:
@@ -69,6 +70,7 @@ class FlaxNeedleHeadsMixin:
 
     def _apply_method(self, method, input_ids, attention_mask, params):
         input_ids = jnp.asarray(input_ids, "i4")
+        check_positions(input_ids.shape[1], self.config.max_position_embeddings)  # a forward without a cache
         mask = None if attention_mask is None else jnp.asarray(attention_mask, "i4")
         return self.module.apply({"params": params or self.params}, input_ids, mask, method=method)
 

@@ -111,6 +111,7 @@ from .ops_needle import (  # noqa: F401  (re-exported: the twin ops table)
 from .projections_needle import NeedleResidualLinear
 from .specification_needle import (
     NeedleWeightsError,  # the one exception of both twins' strict loading
+    check_positions,
     embedding_scale,
 )
 from .step_inputs_needle import NeedleStepInputs, NeedleStepInputsMixin
@@ -555,6 +556,8 @@ class NeedleModel(NeedlePreTrainedModel, NeedleStepInputsMixin, NeedleEngramMemo
                 f"output_attentions needs eager attention; this model uses {self.config._attn_implementation!r} "
                 "(load it with attn_implementation='eager')"
             )
+        if cache is None:  # a forward over a whole text (`check_positions`: where both twins check)
+            check_positions(input_ids.shape[1], self.config.max_position_embeddings)
         if self.gradient_checkpointing and self.training and use_cache:
             use_cache = False  # recomputed layers would write their keys twice
         if use_cache and cache is None:

@@ -106,7 +106,13 @@ def attention_window_option(value) -> int:
 
 
 def check_positions(positions: int, max_position_embeddings: int) -> None:
-    """The text (prompt plus new tokens) must fit the positions the model was trained for."""
+    """The text must fit the positions the model was trained for.
+
+    Both twins check it at the same two points: a forward without a cache (its T tokens; the causal
+    LM, the backbone and the probe-pooling heads alike), and the start of `generate`, before any
+    decoding (the prompt plus the new tokens it may add: ``max_length``, or prompt + ``max_new_tokens``).
+    A forward with a cache is a step of some decoding, whose start was checked.
+    """
     if positions > max_position_embeddings:
         raise ValueError(
             f"the text reaches {positions} positions, more than max_position_embeddings="
