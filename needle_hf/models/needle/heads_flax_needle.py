@@ -30,6 +30,18 @@ def probe_pool(cells: jnp.ndarray, keep: jnp.ndarray, probes: jnp.ndarray) -> jn
     return jnp.einsum("bpf,bfd->bpd", weights, flat).reshape(b, -1)
 
 
+def pooled_projection(head: nn.Module, cells, keep, *, num_probes: int, features: int, use_bias: bool):
+    """What both probe-pooling heads do first, inside the head's compact call: pool the cells [B, T, L + 1, D]
+    by the head's ``probes`` [P, D] (`probe_pool`), then project them with its ``proj`` -> [B, features]
+    in the head's dtype."""
+    cfg = head.config
+    probes = head.param("probes", normal_initializer(cfg.initializer_range), (num_probes, cfg.hidden_size))
+    pooled = probe_pool(cells, keep, probes).astype(head.dtype)
+    dense = nn.Dense(features, use_bias=use_bias, dtype=head.dtype, kernel_init=normal_initializer(cfg.initializer_range),
+                     name="proj")
+    return dense(pooled)
+
+
 class FlaxNeedleContrastiveHead(nn.Module):
     """Tool-retrieval embedding: probe pooling, a projection, L2 normalisation, plus a learned log-temperature."""
 
@@ -39,10 +51,8 @@ class FlaxNeedleContrastiveHead(nn.Module):
     @nn.compact
     def __call__(self, cells, keep):
         """-> (unit-norm embedding [B, contrastive_dim], log_temperature scalar)."""
-        cfg = self.config
-        probes = self.param("probes", normal_initializer(cfg.initializer_range), (CONTRASTIVE_PROBES, cfg.hidden_size))
-        pooled = probe_pool(cells, keep, probes).astype(self.dtype)
-        p = nn.Dense(cfg.contrastive_dim, use_bias=False, dtype=self.dtype, kernel_init=normal_initializer(cfg.initializer_range), name="proj")(pooled)
+        p = pooled_projection(self, cells, keep, num_probes=CONTRASTIVE_PROBES, features=self.config.contrastive_dim,
+                              use_bias=False)
         log_temperature = self.param("log_temperature", nn.initializers.constant(math.log(CONTRASTIVE_TEMPERATURE_INIT)), ())
         norm = jnp.sqrt(jnp.sum(p.astype(jnp.float32) ** 2, axis=-1, keepdims=True) + CONTRASTIVE_NORM_EPS)
         return p / norm.astype(p.dtype), log_temperature
@@ -57,10 +67,7 @@ class FlaxNeedleConfidenceHead(nn.Module):
     @nn.compact
     def __call__(self, cells, keep):
         """-> confidence logit [B] float32."""
-        cfg = self.config
-        probes = self.param("probes", normal_initializer(cfg.initializer_range), (CONFIDENCE_PROBES, cfg.hidden_size))
-        pooled = probe_pool(cells, keep, probes).astype(self.dtype)
-        logit = nn.Dense(1, use_bias=True, dtype=self.dtype, kernel_init=normal_initializer(cfg.initializer_range), name="proj")(pooled)
+        logit = pooled_projection(self, cells, keep, num_probes=CONFIDENCE_PROBES, features=1, use_bias=True)
         return logit[..., 0].astype(jnp.float32)
 
 
@@ -86,4 +93,4 @@ class FlaxNeedleHeadsMixin:
         return self._apply_method(type(self.module).confidence_logit, input_ids, attention_mask, params)
 
 
-__all__ = ["FlaxNeedleConfidenceHead", "FlaxNeedleContrastiveHead", "FlaxNeedleHeadsMixin", "probe_pool"]
+__all__ = ["FlaxNeedleConfidenceHead", "FlaxNeedleContrastiveHead", "FlaxNeedleHeadsMixin", "pooled_projection", "probe_pool"]

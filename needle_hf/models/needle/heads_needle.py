@@ -78,14 +78,8 @@ class NeedleHeadsMixin:
             attention_mask = (input_ids != self.config.pad_token_id).long()
         batch, length = input_ids.shape
         positions = torch.arange(length, device=input_ids.device)[None].expand(batch, -1)
-        outputs = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=positions,
-            use_cache=False,
-            output_hidden_states=True,
-            return_dict=True,
-        )
+        outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False,
+                             output_hidden_states=True, return_dict=True)
         return self.cells_from_hidden_states(input_ids, outputs.hidden_states), attention_mask.bool()
 
     def cells_from_hidden_states(self, input_ids: torch.Tensor, hidden_states: tuple) -> torch.Tensor:
