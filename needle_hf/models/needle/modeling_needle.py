@@ -27,14 +27,14 @@ This file ships as remote code next to saved weights, so it imports only flat re
 its folder and nothing from jax (and imports directly every module those import: transformers copies
 only a model file's own relative imports out of a local folder).
 
-Layout, as in ``models/llama``: the attention kernel and `NeedleAttention`, the MLP, the block and the
+Layout, as in ``models/llama``: the attention kernel and `NeedleAttention`, the block and the
 decoder layer, `NeedlePreTrainedModel`, the backbone `NeedleModel` and `NeedleForCausalLM`. One
 concept per module beside it (their public names are importable from here too): `step_inputs_needle`
 (the tensors one call derives: masks, RoPE tables), `hyper_connections_needle` (lane routing),
-`engram_needle` (the engram memory), `mtp_needle` (the MTP head), `heads_needle` (tied logits,
-probe-pooling heads), `projections_needle`, `ops_needle`, `norms_needle`, `masking_needle`,
-`generation_needle`, `loading_needle`, `cache_needle` (the KV cache and engram state across
-transformers versions: ``past_key_values`` / ``cache``), `compiled_decoding_needle`.
+`engram_needle` (the engram memory), `hadamard_mlp_needle`, `mtp_needle` (the MTP head),
+`heads_needle` (tied logits, probe-pooling heads), `projections_needle`, `ops_needle`, `norms_needle`,
+`masking_needle`, `generation_needle`, `loading_needle`, `cache_needle` (the KV cache and engram state
+across transformers versions: ``past_key_values`` / ``cache``), `compiled_decoding_needle`.
 
 The output head ``lm_head`` is a bias-less ``nn.Linear`` whose weight is ``model.embed_tokens.weight``
 (`_tied_weights_keys`: a list on 4.57, a ``{tied: source}`` dict on 5.x). Saved files hold the one
