@@ -101,3 +101,23 @@ def test_both_twins_refuse_a_text_beyond_the_positions_at_a_forward_and_at_gener
             flax_model(too_long)
         with pytest.raises(ValueError, match=message):
             flax_model.generate(prompt, max_new_tokens=5)
+
+
+def test_a_packed_row_counts_the_positions_of_its_sequences_in_both_twins(checkpoint):
+    config, _, folder = checkpoint
+    limit = config.max_position_embeddings
+    ids = np.random.default_rng(1).integers(1, config.vocab_size, size=(1, limit + 20))
+    # Two packed sequences of `limit` and 20 tokens: the row is longer than the positions, its sequences are not.
+    packed = np.concatenate([np.arange(limit), np.arange(20)])[None]
+    message = f"the text reaches {limit + 1} positions, more than max_position_embeddings={limit}"
+    torch_model = NeedleForCausalLM.from_pretrained(folder).eval()
+    with torch.no_grad():
+        assert torch_model(torch.from_numpy(ids), position_ids=torch.from_numpy(packed)).logits.shape[1] == limit + 20
+        with pytest.raises(ValueError, match=message):  # a sequence reaching position `limit`
+            torch_model(torch.from_numpy(ids), position_ids=torch.from_numpy(packed + 1))
+    twins = _twins(folder)
+    if "flax" in twins:
+        flax_model = twins["flax"](folder)
+        assert flax_model(ids, position_ids=packed).logits.shape[1] == limit + 20
+        with pytest.raises(ValueError, match=message):
+            flax_model(ids, position_ids=packed + 1)

@@ -31,6 +31,7 @@ import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax.core.frozen_dict import FrozenDict, freeze, unfreeze
 from flax.traverse_util import flatten_dict, unflatten_dict
 from transformers.modeling_flax_outputs import FlaxBaseModelOutput, FlaxCausalLMOutput
@@ -73,7 +74,9 @@ from .ops_flax_needle import (  # noqa: F401  (re-exported: the twin ops table)
 )
 from .projections_flax_needle import FUSED_QKVG_KERNEL, FlaxNeedleLinear, fused_projections, with_decoding_kernels  # noqa: F401  (re-exported)
 from .rematerialisation_flax_needle import rematerialised
-from .specification_needle import NeedleWeightsError, check_positions, embedding_scale, prompt_ids_error  # noqa: F401  (re-exported)
+from .specification_needle import (  # noqa: F401  (re-exported)
+    NeedleWeightsError, check_positions, embedding_scale, positions_taken, prompt_ids_error,
+)
 
 # transformers copies only a model file's own relative imports out of a local folder
 # (trust_remote_code=True): the modules that the modules above import are named here too.
@@ -682,14 +685,16 @@ class FlaxNeedlePreTrainedModel(FlaxPreTrainedModel):
     def _prepare_call(self, input_ids, attention_mask, position_ids, past_key_values):
         input_ids = jnp.asarray(input_ids, dtype="i4")
         b, t = input_ids.shape
+        if past_key_values is None and not isinstance(position_ids, jax.core.Tracer):
+            # A forward over whole texts: where both twins check the positions (`check_positions`).
+            largest = int(np.max(position_ids)) if position_ids is not None and np.size(position_ids) else None
+            check_positions(positions_taken(t, largest), self.config.max_position_embeddings)
         if attention_mask is None:
             attention_mask = jnp.ones((b, t), "i4")
         if position_ids is None:
             if past_key_values is not None:
                 raise ValueError("pass `position_ids` when decoding with `past_key_values`")
             position_ids = jnp.clip(jnp.cumsum(attention_mask, axis=-1) - 1, 0)
-        if past_key_values is None:
-            check_positions(t, self.config.max_position_embeddings)
         return input_ids, jnp.asarray(attention_mask, "i4"), jnp.asarray(position_ids, "i4")
 
     def __call__(

@@ -56,6 +56,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.utils import is_torchdynamo_compiling
 
 from .cache_needle import (
     BASE_CACHE_OUTPUT_FIELD,
@@ -80,7 +81,8 @@ from .hyper_connections_needle import NeedleHyperConnection
 from .loading_needle import fill_tied_alias, from_pretrained_strictly
 from .masking_needle import (  # noqa: F401  (re-exported)
     PackedLayout, attention_allowed, attention_sees_from_4d, check_engram_lookback, default_position_ids,
-    engram_lookback, flex_block_mask, packed_lookback, packed_segment_ids, segment_ids_from_cu_seq_lens,
+    engram_lookback, flex_block_mask, largest_position, packed_lookback, packed_segment_ids,
+    segment_ids_from_cu_seq_lens,
 )
 from .mtp_needle import NeedleMultiTokenPrediction, text_mtp_hidden
 from .norms_needle import NeedleRMSNorm, rms_unit, zero_centred_rms_norm  # noqa: F401  (re-exported)
@@ -113,6 +115,7 @@ from .specification_needle import (
     NeedleWeightsError,  # the one exception of both twins' strict loading
     check_positions,
     embedding_scale,
+    positions_taken,
 )
 from .step_inputs_needle import NeedleStepInputs, NeedleStepInputsMixin
 
@@ -556,8 +559,10 @@ class NeedleModel(NeedlePreTrainedModel, NeedleStepInputsMixin, NeedleEngramMemo
                 f"output_attentions needs eager attention; this model uses {self.config._attn_implementation!r} "
                 "(load it with attn_implementation='eager')"
             )
-        if cache is None:  # a forward over a whole text (`check_positions`: where both twins check)
-            check_positions(input_ids.shape[1], self.config.max_position_embeddings)
+        if cache is None and not (is_torchdynamo_compiling() or torch.compiler.is_exporting()):
+            # A forward over whole texts: where both twins check the positions (`check_positions`).
+            taken = positions_taken(input_ids.shape[1], largest_position(position_ids, cu_seq_lens_q))
+            check_positions(taken, self.config.max_position_embeddings)
         if self.gradient_checkpointing and self.training and use_cache:
             use_cache = False  # recomputed layers would write their keys twice
         if use_cache and cache is None:
