@@ -19,6 +19,11 @@ TWIN_FILES = [
     "cache_needle.py", "loading_needle.py", "norms_needle.py", "compiled_decoding_needle.py",
     "modeling_flax_needle.py", "ops_flax_needle.py", "masking_flax_needle.py", "heads_flax_needle.py",
     "cache_flax_needle.py", "loading_flax_needle.py", "norms_flax_needle.py", "specification_needle.py",
+    # One module per concept, the same names in both twins.
+    "step_inputs_needle.py", "projections_needle.py", "projections_flax_needle.py", "hadamard_mlp_needle.py",
+    "hadamard_mlp_flax_needle.py", "hyper_connections_needle.py", "hyper_connections_flax_needle.py",
+    "engram_needle.py", "engram_flax_needle.py", "mtp_needle.py", "mtp_flax_needle.py", "generation_flax_needle.py",
+    "rematerialisation_flax_needle.py",
 ]
 # Private abbreviations that stood for legend axes (D, H, K) before there was one legend.
 STAND_INS = {"d", "hd", "KV", "head_dim", "d_model"}

@@ -283,6 +283,29 @@ def test_shipped_files_import_only_each_other_and_packages_the_loader_has():
     assert {"jax", "flax"} <= flax_packages
 
 
+# One module per concept, the same names in both twins: each ships with the model file that uses it.
+CONCEPT_MODULES = {
+    "AutoModelForCausalLM": ("step_inputs_needle.py", "hyper_connections_needle.py", "engram_needle.py",
+                             "mtp_needle.py", "heads_needle.py", "hadamard_mlp_needle.py", "projections_needle.py"),
+    "FlaxAutoModelForCausalLM": ("hyper_connections_flax_needle.py", "engram_flax_needle.py", "mtp_flax_needle.py",
+                                 "heads_flax_needle.py", "hadamard_mlp_flax_needle.py", "projections_flax_needle.py",
+                                 "generation_flax_needle.py", "rematerialisation_flax_needle.py"),
+}
+
+
+@pytest.mark.parametrize("auto_class", sorted(CONCEPT_MODULES))
+def test_each_concept_module_ships_with_the_model_file_that_imports_it(auto_class):
+    needed = remote_code_files()
+    model_file, *reached = needed[auto_class]
+    direct = {f"{module}.py" for module in get_relative_imports(model_file)}
+    # transformers copies a local folder's remote code one relative import deep from the model file:
+    # every file the model's imports reach is imported by the model file itself (but those of the
+    # configuration, which AutoConfig's own load fetches).
+    beyond = {path.name for path in reached} - {path.name for path in needed["AutoConfig"]} - direct
+    assert not beyond, sorted(beyond)
+    assert set(CONCEPT_MODULES[auto_class]) <= {path.name for path in reached}
+
+
 def test_write_remote_code_keeps_foreign_auto_map_entries_and_replaces_needles(tmp_path):
     config = NeedleConfig.from_needle_config(TINY_WITH_TOKENIZER)
     config.auto_map = {"AutoTokenizer": ["tok.Slow", "tok.Fast"], "AutoModel": "old_module.OldModel"}

@@ -108,6 +108,14 @@ def test_rms_norms(seed, width, scale, eps):
 
 
 @OPS
+@given(seed=st.integers(0, 2**16), width=st.sampled_from([8, 24, 64]), scale=st.floats(0.01, 100.0))
+def test_engram_read(seed, width, scale):
+    u, key, value = ((_rng(seed + i).standard_normal((2, 3, width)) * scale).astype(np.float32) for i in range(3))
+    _close(torch_twin.add_engram_read(*map(torch.from_numpy, (u, key, value)), 1e-6),
+           flax_twin.add_engram_read(*map(jnp.asarray, (u, key, value)), 1e-6), tol=1e-4 * max(scale, 1.0))
+
+
+@OPS
 @given(seed=st.integers(0, 2**16), start=st.integers(0, 4000), head_dim=st.sampled_from([8, 16, 64]))
 def test_rope_tables_and_rotation(seed, start, head_dim):
     length, heads = 5, 2

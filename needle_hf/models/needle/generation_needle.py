@@ -111,6 +111,10 @@ class NeedleGenerationMixin(GenerationMixin):
         prompt = inputs if inputs is not None else kwargs.get("input_ids")
         if prompt is not None:
             check_prompt_ids(prompt, self.config.vocab_size)
+            # `check_positions` at the start of generate: the prompt and every new token it may add.
+            resolved, _ = self._prepare_generation_config(generation_config, **kwargs)
+            most = resolved.max_length if resolved.max_new_tokens is None else prompt.shape[1] + resolved.max_new_tokens
+            check_positions(most, self.config.max_position_embeddings)
         if not use_mtp and not lookup:
             return super().generate(inputs, generation_config, **kwargs)
         resolved, model_kwargs = self._prepare_generation_config(generation_config, **kwargs)
@@ -125,8 +129,7 @@ class NeedleGenerationMixin(GenerationMixin):
         return mtp_generate(self, input_ids, resolved, **model_kwargs)
 
     def prepare_inputs_for_generation(self, input_ids: torch.LongTensor, *args, **kwargs) -> dict:
-        """`GenerationMixin`'s preparation, after checking that the text fits the model's positions."""
-        check_positions(input_ids.shape[1], self.config.max_position_embeddings)
+        """`GenerationMixin`'s preparation (the positions were checked when `generate` started)."""
         model_inputs = super().prepare_inputs_for_generation(input_ids, *args, **kwargs)
         # Filled in (as None) by transformers 4.57 for every model; Needle reads token ids only.
         model_inputs.pop("inputs_embeds", None)

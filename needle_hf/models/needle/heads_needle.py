@@ -1,11 +1,13 @@
 """The output heads of PyTorch Needle 2 that read the backbone without a block of their own: the tied
 language-model logits and the probe-pooling heads of tool retrieval (contrastive) and answer
-confidence. (The MTP head runs a decoder block and lives with the layers in `modeling_needle`.)
+confidence, with the causal LM's methods that run them (`NeedleHeadsMixin`). (The MTP head runs a
+decoder block: `mtp_needle`.)
 """
 
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 from torch import nn
@@ -58,3 +60,50 @@ class NeedleConfidenceHead(nn.Module):
 
     def forward(self, cells: torch.Tensor, keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return self.proj(probe_pool(cells, keep, self.probes).to(dtype))[..., 0].float()
+
+
+class NeedleHeadsMixin:
+    """`NeedleForCausalLM`'s probe-pooling heads over its backbone (uses ``config``, ``model``,
+    ``contrastive_head``, ``confidence_head``)."""
+
+    def _probe_cells(
+        self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cells [B, T, L + 1, D] float32 (``x0`` and the lane mean after every layer) and their keep mask [B, T].
+
+        Without an attention_mask, padding is ``input_ids == pad_token_id``. Positions are 0..T-1 as in
+        the reference (RoPE is relative, so left padding does not change the result).
+        """
+        if attention_mask is None:
+            attention_mask = (input_ids != self.config.pad_token_id).long()
+        batch, length = input_ids.shape
+        positions = torch.arange(length, device=input_ids.device)[None].expand(batch, -1)
+        outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False,
+                             output_hidden_states=True, return_dict=True)
+        return self.cells_from_hidden_states(input_ids, outputs.hidden_states), attention_mask.bool()
+
+    def cells_from_hidden_states(self, input_ids: torch.Tensor, hidden_states: tuple) -> torch.Tensor:
+        """The heads' cells [B, T, L + 1, D] float32 from a forward's ``hidden_states`` (``output_hidden_states=True``):
+        ``x0`` and the lane mean after every layer. Lets a training step read the heads off its own forward."""
+        cells = torch.stack([self.model.embed(input_ids), *[h.float() for h in hidden_states[1:]]], dim=2)
+        return cells.detach()  # the heads read a fixed backbone (`specification_needle`)
+
+    def contrastive_embedding(
+        self, input_ids: torch.LongTensor, attention_mask: Optional[torch.Tensor] = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tool-retrieval embedding: (L2-normalised [B, contrastive_dim], log_temperature scalar)."""
+        if self.contrastive_head is None:
+            raise ValueError("this model has no contrastive head (config.use_contrastive_head is False)")
+        cells, keep = self._probe_cells(input_ids, attention_mask)
+        embedding = self.contrastive_head(cells, keep, self.model.embed_tokens.weight.dtype)
+        return embedding, self.contrastive_head.log_temperature
+
+    def confidence_logit(
+        self, input_ids: torch.LongTensor, attention_mask: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
+        """Answer-confidence logit [B] float32."""
+        if self.confidence_head is None:
+            raise ValueError("this model has no confidence head (config.use_confidence_head is False)")
+        cells, keep = self._probe_cells(input_ids, attention_mask)
+        return self.confidence_head(cells, keep, self.model.embed_tokens.weight.dtype)
+

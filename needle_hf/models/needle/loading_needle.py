@@ -1,5 +1,10 @@
 """Strict loading of PyTorch Needle 2 checkpoints: every tensor the config names, no other, each of
 its shape, and the tied output head equal to the token embedding (`NeedleWeightsError` otherwise).
+
+A checkpoint's ``model.safetensors`` is checked before anything else by the checker the Flax model
+uses (`weight_names.check_weights`), so both twins word a damaged file alike; transformers' own
+loading report (`raise_unless_exact`) covers what that file check cannot see (other formats,
+shards, a tied head transformers unties).
 """
 
 from __future__ import annotations
@@ -9,9 +14,18 @@ import os
 import torch
 from safetensors import safe_open
 from transformers import PreTrainedModel
+from transformers.utils import cached_file
 
 from .numerics import TIED_WEIGHTS
 from .specification_needle import NeedleWeightsError
+from .weight_names import HEAD_PREFIXES, check_tied_values, check_weights, hf_weight_shapes, without_tied_aliases
+
+SAFE_WEIGHTS_NAME = "model.safetensors"
+# `from_pretrained` options that say where the files are (`transformers.utils.cached_file`).
+_HUB_OPTIONS = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder", "proxies",
+                "_commit_hash")
+# Options that load from somewhere else than the folder's model.safetensors.
+_OTHER_SOURCES = ("state_dict", "gguf_file", "from_tf", "from_flax")
 
 
 def _local_checkpoint_tensor(source, name: str, *, shape_only: bool = False):
@@ -101,3 +115,52 @@ def fill_tied_alias(module, state_dict, prefix, *args):
             raise NeedleWeightsError(
                 f"state dict: {tied} differs from {source}; Needle's output head is tied to the token embedding"
             )
+
+
+def check_checkpoint_file(model: PreTrainedModel, source, options: dict, *, without_heads: bool = False) -> None:
+    """Check ``source``'s ``model.safetensors`` against the table for ``model.config`` with the checker
+    of both twins (`check_weights`, `check_tied_values`); nothing to check when the folder has no such
+    file (shards, other formats) or the weights come from elsewhere (``options``).
+
+    Names are the causal LM's (a bare backbone's file names its tensors without ``model.``); the
+    backbone reads the ``model.`` ones and leaves the heads, as ``without_heads`` does.
+    """
+    if any(options.get(name) for name in _OTHER_SOURCES):
+        return
+    hub_options = {name: options[name] for name in _HUB_OPTIONS if name in options}
+    weights = cached_file(source, SAFE_WEIGHTS_NAME, _raise_exceptions_for_missing_entries=False,
+                          _raise_exceptions_for_connection_errors=False, **hub_options)
+    if weights is None:
+        return
+    with safe_open(weights, framework="pt") as handle:
+        stored = set(handle.keys())
+        if stored & TIED_WEIGHTS.keys():
+            pairs = [name for name in (*TIED_WEIGHTS, *TIED_WEIGHTS.values()) if name in stored]
+            check_tied_values({name: handle.get_tensor(name).float().numpy() for name in pairs}, where=weights)
+        found = without_tied_aliases({name: tuple(handle.get_slice(name).get_shape()) for name in stored})
+    if not any(name.startswith("model.") for name in found):  # a bare backbone's file: names under `model.`
+        found = {f"model.{name}": shape for name, shape in found.items()}
+    backbone = not hasattr(model, "lm_head")
+    expected = hf_weight_shapes(model.config, prefix="model." if backbone else "")
+    ignored = HEAD_PREFIXES if backbone or without_heads else ()
+    check_weights(found, expected, where=weights, ignore_unexpected_prefixes=ignored)
+
+
+def from_pretrained_strictly(load, source, *model_args, without_heads: bool = False, **options):
+    """``load(source, ...)`` (`PreTrainedModel.from_pretrained`) made strict: the checkpoint is checked
+    (`check_checkpoint_file`, then transformers' loading report) and a mismatch raises
+    `NeedleWeightsError` instead of a random initialisation; see `NeedlePreTrainedModel.from_pretrained`."""
+    wants_loading_info = options.pop("output_loading_info", False)
+    if options.pop("ignore_mismatched_sizes", False):
+        raise ValueError("Needle checkpoints load exactly; `ignore_mismatched_sizes=True` is not supported")
+    if without_heads:
+        options.update(use_mtp_head=False, use_contrastive_head=False, use_confidence_head=False)
+    # Let transformers report shape mismatches (instead of raising its own, version-specific error),
+    # then refuse them below together with missing and unexpected tensors.
+    model, loading_info = load(source, *model_args, output_loading_info=True, ignore_mismatched_sizes=True, **options)
+    check_checkpoint_file(model, source, options, without_heads=without_heads)
+    unused = HEAD_PREFIXES if without_heads else ()
+    raise_unless_exact(model, loading_info, source, unused_prefixes=unused)
+    if hasattr(model, "freeze_mtp_head"):
+        model.freeze_mtp_head()  # transformers 5.x loads parameters anew, trainable
+    return (model, loading_info) if wants_loading_info else model

@@ -65,6 +65,16 @@ def packed_segment_ids(position_ids: torch.Tensor) -> Optional[torch.Tensor]:
     return segments
 
 
+def largest_position(position_ids: Optional[torch.Tensor], cu_seq_lens_q: Optional[torch.Tensor]) -> Optional[int]:
+    """The largest position id a call gives (`specification_needle.positions_taken`): of ``position_ids``
+    [B, T], else of the packed sequences ``cu_seq_lens_q`` [Q + 1] bounds (each from position 0), else None."""
+    if position_ids is not None and position_ids.numel():
+        return int(position_ids.max())
+    if cu_seq_lens_q is not None:
+        return int((cu_seq_lens_q[1:] - cu_seq_lens_q[:-1]).max()) - 1
+    return None
+
+
 def segment_ids_from_cu_seq_lens(cu_seq_lens: torch.Tensor, length: int) -> torch.Tensor:
     """Sequence index [1, T] of a flattened row from its cumulative sequence lengths [Q + 1] (the varlen
     kernels' ``cu_seq_lens_q``: 0, end of sequence 1, ..., S)."""

@@ -4,12 +4,15 @@ Axis letters in shape comments and einsum strings, the numerical choice of each 
 rule (padding rows attend to themselves only, the sliding window) and the names and argument orders
 of the helpers are those of `specification_needle`, which the PyTorch model follows too.
 
-Layout: the layers (attention, MLP, block, hyper-connections, engram), their collections, the
-backbone module, the MTP head and the causal-LM module, then the `FlaxPreTrainedModel` wrappers.
-Beside it: `ops_flax_needle` (norms, RoPE, Sinkhorn, Walsh transform, engram hash),
-`masking_flax_needle` (attention masks, packed sequences), `heads_flax_needle` (probe-pooling
-heads), `loading_flax_needle` (strict loading from PyTorch-layout safetensors), `cache_flax_needle`.
-Their public names are importable from here too.
+Layout, as in transformers' ``modeling_flax_llama``: the attention, the block and the decoder layer,
+the layer collection, the backbone module and the causal-LM module, then the `FlaxPreTrainedModel`
+wrappers. One concept per module beside it, named as the PyTorch twin's (their public names are
+importable from here too): `hyper_connections_flax_needle` (lane routing), `engram_flax_needle` (the
+engram memory), `mtp_flax_needle` (the MTP head), `heads_flax_needle` (probe-pooling heads),
+`hadamard_mlp_flax_needle`, `projections_flax_needle` (LoRA-capable projections, decoding kernels),
+`ops_flax_needle`, `norms_flax_needle`, `masking_flax_needle`, `generation_flax_needle` (`generate`
+and its checks), `loading_flax_needle` (strict loading, the compute dtype), `cache_flax_needle` (the
+KV cache and the decoding state), `rematerialisation_flax_needle` (gradient checkpointing).
 
 The cache (`init_cache`, a `cache` collection) holds, per layer, keys and values for every position
 up to `max_length`; for the engram memory, the last `config.engram_history` tokens with their
@@ -34,32 +37,31 @@ from flax.traverse_util import flatten_dict, unflatten_dict
 from transformers.modeling_flax_outputs import FlaxBaseModelOutput, FlaxCausalLMOutput
 from transformers.modeling_flax_utils import FlaxPreTrainedModel
 
-from .cache_flax_needle import LayerKVCache
+from .cache_flax_needle import FlaxNeedleDecodeState, LayerKVCache
 from .configuration_needle import NeedleConfig
-from .mtp_option import pop_mtp_option
 from .deploy_numerics_flax import (  # deploy numerics hooks
     quantize_activations,
     quantize_kv,
     training_weights,
 )
-from .heads_flax_needle import FlaxNeedleConfidenceHead, FlaxNeedleContrastiveHead, probe_pool
-from .loading_flax_needle import SAFE_WEIGHTS_NAME, flax_params_to_hf, read_checked_weights
-from .masking_flax_needle import attention_allowed, packed_segment_ids, same_segment_back
-from .numerics import (
-    ATTENTION_GATE_INIT,
-    ENGRAM_FIRST_TAP_INIT,
-    FUSED_QKVG_PROJECTIONS,
-    HADAMARD_DIAG_HIDDEN_INIT,
-    HADAMARD_DIAG_IN_INIT,
-    HADAMARD_DIAG_OUT_INIT,
-    HYPER_CONNECTION_ALPHA_INIT,
-    HYPER_CONNECTION_RES_BIAS_INIT,
-    NORM_WEIGHT_INIT,
-    engram_table_orders,
-    hyper_connection_offsets,
-    rope_inverse_frequencies,
+from .engram_flax_needle import FlaxNeedleEngram, FlaxNeedleEngramCollection, add_engram_read, engram_window_memory  # noqa: F401  (re-exported)
+from .generation_flax_needle import FlaxNeedleGenerationMixin, check_prompt_ids  # noqa: F401  (re-exported)
+from .hadamard_mlp_flax_needle import FlaxNeedleHadamardMLP
+from .heads_flax_needle import FlaxNeedleConfidenceHead, FlaxNeedleContrastiveHead, FlaxNeedleHeadsMixin, probe_pool  # noqa: F401  (re-exported)
+from .hyper_connections_flax_needle import FlaxNeedleHyperConnection
+from .loading_flax_needle import (
+    SAFE_WEIGHTS_NAME,
+    auto_class_dtype_request,  # noqa: F401  (re-exported)
+    compute_dtype,  # noqa: F401  (re-exported)
+    flax_params_to_hf,
+    read_checked_weights,
+    resolve_config,
 )
-from .ops_flax_needle import (
+from .masking_flax_needle import attention_allowed, packed_segment_ids
+from .mtp_flax_needle import FlaxNeedleMTPHead, text_mtp_hidden
+from .norms_flax_needle import FlaxNeedleRMSNorm, rms_unit, zero_centred_rms_norm  # noqa: F401  (re-exported)
+from .numerics import ATTENTION_GATE_INIT, FUSED_QKVG_PROJECTIONS, hyper_connection_offsets, rope_inverse_frequencies
+from .ops_flax_needle import (  # noqa: F401  (re-exported: the twin ops table)
     apply_rotary,
     engram_hash_indices,
     log_space_sinkhorn,
@@ -70,11 +72,16 @@ from .ops_flax_needle import (
     walsh_operand,
     walsh_transform,
 )
-from .norms_flax_needle import rms_unit, zero_centred_rms_norm
-from .specification_needle import NeedleWeightsError, check_positions, embedding_scale, prompt_ids_error
+from .projections_flax_needle import FUSED_QKVG_KERNEL, FlaxNeedleLinear, fused_projections, with_decoding_kernels  # noqa: F401  (re-exported)
+from .rematerialisation_flax_needle import rematerialised
+from .specification_needle import (  # noqa: F401  (re-exported)
+    NeedleWeightsError, check_positions, embedding_scale, positions_taken, prompt_ids_error,
+)
 
 # transformers copies only a model file's own relative imports out of a local folder
 # (trust_remote_code=True): the modules that the modules above import are named here too.
+from .mtp_option import pop_mtp_option  # noqa: F401  (generation_flax_needle)
+from .speculative_flax import mtp_generate  # noqa: F401  (generation_flax_needle)
 from .weight_names import check_weights  # noqa: F401  (loading_flax_needle)
 
 
@@ -88,85 +95,6 @@ class FlaxNeedleCausalLMOutput(FlaxCausalLMOutput):
 
 # --------------------------------------------------------------------------------------------------
 # Modules
-
-
-class FlaxNeedleRMSNorm(nn.Module):
-    """Zero-centred RMSNorm: `(1 + weight) * x / rms(x)`; `weight` starts at 0."""
-
-    config: NeedleConfig
-    dtype: jnp.dtype = jnp.float32
-
-    @nn.compact
-    def __call__(self, x):
-        weight = self.param("weight", nn.initializers.constant(NORM_WEIGHT_INIT), (x.shape[-1],))
-        return zero_centred_rms_norm(x, weight, self.config.rms_norm_eps).astype(self.dtype)
-
-
-class FlaxNeedleLinear(nn.Module):
-    """Bias-free projection `x @ kernel`, kernel [in, out] named like `nn.Dense`'s (`.../kernel`).
-
-    The kernel is declared in `setup`, so a parent can also read it (`.kernel`) and run several
-    projections of one input as a single matmul (`fused_projections`). With a LoRA adapter in the
-    `lora` collection (`A` [in, r], `B` [r, out], B already scaled by alpha / r), the projection is
-    `x @ kernel + (x @ A) @ B`, PEFT's way: equal to the merged kernel's, but no merged kernel is
-    formed and the backward pass computes no [in, out] kernel gradient, only A's and B's.
-    """
-
-    in_features: int
-    out_features: int
-    dtype: jnp.dtype = jnp.float32
-    init_std: float = 0.02
-
-    def setup(self):
-        self.kernel = self.param("kernel", normal_initializer(self.init_std), (self.in_features, self.out_features))
-
-    def has_adapter(self) -> bool:
-        """Whether a LoRA adapter is applied beside the kernel."""
-        return self.has_variable("lora", "A")
-
-    def __call__(self, x):
-        x = x.astype(self.dtype)
-        y = x @ self.kernel.astype(self.dtype)  # [..., out]
-        if self.has_adapter():
-            a, b = self.get_variable("lora", "A"), self.get_variable("lora", "B")
-            y = y + (x @ a.astype(self.dtype)) @ b.astype(self.dtype)  # [..., r] @ [r, out]
-        return y
-
-
-# Name of the derived kernel that `with_decoding_kernels` adds beside each layer's attention projections
-# (`numerics.FUSED_QKVG_PROJECTIONS`, concatenated in that order).
-FUSED_QKVG_KERNEL = "qkvg_kernel"
-
-
-def with_decoding_kernels(params, config: NeedleConfig) -> dict:
-    """``params`` (the causal LM's tree) plus, in each decoder layer's ``self_attn``, the q, k, v and gate
-    kernels concatenated into one [D, 2 * A + 2 * K * H] ``qkvg_kernel`` (`FUSED_QKVG_KERNEL`),
-    which the attention then reads instead of the four.
-
-    A decoding step reads each kernel once for one row; four separate matrix-vector products read
-    them slower than one wider product does on the CPU (benchmarks/README.md). The concatenation is
-    a copy of the four kernels, so `generate` makes it once per call, outside its decoding loop;
-    other calls see the plain tree.
-    """
-    params = unfreeze(params)  # a new nested dict (the arrays shared): the caller's tree is left as it is
-    for i in range(config.num_hidden_layers):
-        attn = params["model"]["layers"][str(i)]["self_attn"]
-        attn[FUSED_QKVG_KERNEL] = jnp.concatenate([attn[name]["kernel"] for name in FUSED_QKVG_PROJECTIONS], axis=1)
-    return params
-
-
-def fused_projections(x, projections, *, kernel=None) -> list:
-    """[p(x) for p in projections] (FlaxNeedleLinear layers of one input) as a single matmul.
-
-    Worth it for narrow projections: a decoding step reads a few-column kernel inefficiently, and
-    one wider matmul reads all of them in one pass. ``kernel``: their kernels already concatenated
-    (`with_decoding_kernels`); without it they are concatenated here, a copy, which inside a decoding
-    loop (generate's `while_loop`) XLA hoists out of the loop.
-    """
-    if kernel is None:
-        kernel = jnp.concatenate([p.kernel for p in projections], axis=1)
-    out = x.astype(projections[0].dtype) @ kernel.astype(projections[0].dtype)
-    return jnp.split(out, np.cumsum([p.out_features for p in projections])[:-1].tolist(), axis=-1)
 
 
 class FlaxNeedleAttention(nn.Module):
@@ -245,25 +173,6 @@ class FlaxNeedleAttention(nn.Module):
         return self.o_proj(out), kv_cache, weights
 
 
-class FlaxNeedleHadamardMLP(nn.Module):
-    """`(diag_out * silu(diag_hidden * (diag_in * x) W) W)[:D]` with W the orthonormal Walsh matrix."""
-
-    config: NeedleConfig
-    dtype: jnp.dtype = jnp.float32
-
-    @nn.compact
-    def __call__(self, x):
-        n, d = self.config.hadamard_size, self.config.hidden_size
-        diag_in = self.param("diag_in", nn.initializers.constant(HADAMARD_DIAG_IN_INIT), (n,)).astype(self.dtype)
-        diag_hidden = self.param("diag_hidden", nn.initializers.constant(HADAMARD_DIAG_HIDDEN_INIT), (n,)).astype(self.dtype)
-        diag_out = self.param("diag_out", nn.initializers.constant(HADAMARD_DIAG_OUT_INIT), (n,)).astype(self.dtype)
-        z = jnp.pad(x, ((0, 0), (0, 0), (0, n - d))) if n > d else x
-        walsh = walsh_operand(self.config, z.dtype)
-        z = walsh_transform(diag_in * z, walsh)
-        z = walsh_transform(nn.silu(diag_hidden * z), walsh)
-        return (diag_out * z)[..., :d]
-
-
 class FlaxNeedleBlock(nn.Module):
     """One transformer block: [engram read] -> attention (gated residual) -> Hadamard MLP."""
 
@@ -284,13 +193,7 @@ class FlaxNeedleBlock(nn.Module):
         `engram` = (keys, values) [B, T, D]: the engram memory this layer reads, or None.
         """
         if engram is not None:
-            engram_keys, engram_values = engram
-            eps = self.config.rms_norm_eps
-            alpha = nn.sigmoid(
-                jnp.sum(rms_unit(u, eps) * rms_unit(engram_keys, eps), axis=-1, keepdims=True)
-                / math.sqrt(self.config.hidden_size)
-            )  # [B, T, 1]
-            u = u + (alpha * engram_values.astype(jnp.float32)).astype(u.dtype)
+            u = add_engram_read(u, *engram, self.config.rms_norm_eps)
         attn, kv_cache, weights = self.self_attn(
             self.input_layernorm(u), cos, sin, key_mask, kv_cache=kv_cache, output_attentions=output_attentions
         )
@@ -299,38 +202,6 @@ class FlaxNeedleBlock(nn.Module):
 
     def __call__(self, u, cos, sin, key_mask):
         return self.block(u, cos, sin, key_mask)[0]
-
-
-class FlaxNeedleHyperConnection(nn.Module):
-    """Per-layer lane mixing weights: pre-mix (lanes -> block input), post-mix, and residual routing."""
-
-    config: NeedleConfig
-
-    def setup(self):
-        cfg = self.config
-        lanes = cfg.hyper_connection_lanes
-        linear = partial(FlaxNeedleLinear, lanes * cfg.hidden_size, dtype=jnp.float32, init_std=cfg.initializer_range)
-        self.pre_proj = linear(lanes)
-        self.post_proj = linear(lanes)
-        self.res_proj = linear(lanes * lanes)
-        self.pre_bias = self.param("pre_bias", nn.initializers.zeros, (lanes,))
-        self.post_bias = self.param("post_bias", nn.initializers.zeros, (lanes,))
-        self.res_bias = self.param("res_bias", lambda key, shape: HYPER_CONNECTION_RES_BIAS_INIT * jnp.eye(lanes), (lanes, lanes))
-        alpha = nn.initializers.constant(HYPER_CONNECTION_ALPHA_INIT)
-        self.pre_alpha = self.param("pre_alpha", alpha, ())
-        self.post_alpha = self.param("post_alpha", alpha, ())
-        self.res_alpha = self.param("res_alpha", alpha, ())
-
-    def __call__(self, lanes_flat_unit, pre_offset, post_offset):
-        """lanes_flat_unit [B, T, L*D] float32 -> (pre [B, T, L], post [B, T, L], routing [B, T, L, L])."""
-        f32 = lambda p: jnp.asarray(p, jnp.float32)  # noqa: E731
-        b, t, _ = lanes_flat_unit.shape
-        n = self.config.hyper_connection_lanes
-        pre_logits, post_logits, routing_logits = fused_projections(lanes_flat_unit, (self.pre_proj, self.post_proj, self.res_proj))
-        pre = nn.sigmoid(f32(self.pre_alpha) * pre_logits + f32(self.pre_bias) + pre_offset)
-        post = 2 * nn.sigmoid(f32(self.post_alpha) * post_logits + f32(self.post_bias) + post_offset)
-        routing_logits = f32(self.res_alpha) * routing_logits.reshape(b, t, n, n) + f32(self.res_bias)
-        return pre, post, sinkhorn(routing_logits)
 
 
 class FlaxNeedleDecoderLayer(FlaxNeedleBlock):
@@ -359,81 +230,6 @@ class FlaxNeedleDecoderLayer(FlaxNeedleBlock):
         y = y - u
         mixed = jnp.einsum("btij,btjd->btid", routing, lanes_f32) + post[..., None] * y.astype(jnp.float32)[:, :, None, :]
         return mixed.astype(self.dtype), kv_cache, weights
-
-
-class FlaxNeedleEngram(nn.Module):
-    """Hashed n-gram memory for one engram site: keys and (dilated-conv) values per position.
-
-    The values convolve the value projections of the last `config.engram_conv_reach` positions,
-    which the caller keeps (the cache does, when decoding), so only new positions are projected.
-    """
-
-    config: NeedleConfig
-    dtype: jnp.dtype = jnp.float32
-
-    def setup(self):
-        cfg = self.config
-        self.tables = self.param(
-            "tables", normal_initializer(cfg.initializer_range), (cfg.engram_num_tables, cfg.engram_slots, cfg.engram_sub_dim)
-        )
-        dense = partial(nn.Dense, cfg.hidden_size, use_bias=False, dtype=self.dtype)
-        self.key_proj = dense(kernel_init=normal_initializer(cfg.initializer_range))
-        self.value_proj = dense(kernel_init=normal_initializer(cfg.initializer_range / math.sqrt(2 * cfg.num_hidden_layers)))
-        self.conv_taps = self.param(
-            "conv_taps", lambda key, shape: jnp.zeros(shape).at[0].set(ENGRAM_FIRST_TAP_INIT), (cfg.engram_conv_taps, cfg.hidden_size)
-        )
-
-    def __call__(self, indices, ngram_visible, tap_visible, past_projected):
-        """Keys and values of T new positions.
-
-        indices, ngram_visible [B, T, tables]; tap_visible [taps, B, T] (is the position each tap
-        reads visible); past_projected [B, reach, D]: value projections of the positions before
-        these -> (keys [B, T, D], values [B, T, D], value projections of the last `reach` positions).
-        """
-        cfg = self.config
-        b, t, num_tables = indices.shape
-        reach = past_projected.shape[1]
-        rows = self.tables[jnp.arange(num_tables), indices]  # [B, T, tables, sub]
-        rows = rows * ngram_visible[..., None]
-        e = rows.reshape(b, t, num_tables * cfg.engram_sub_dim).astype(self.dtype)  # [B, T, E]
-        e = quantize_activations(e, cfg)  # deploy numerics hook
-        keys = self.key_proj(e)
-        projected = jnp.concatenate([past_projected.astype(self.dtype), self.value_proj(e)], axis=1)  # [B, reach + T, D]
-        taps = self.conv_taps.astype(self.dtype)
-        values = sum(
-            taps[j] * projected[:, reach - j * cfg.engram_conv_dilation :][:, :t] * tap_visible[j][..., None]
-            for j in range(cfg.engram_conv_taps)
-        )
-        return keys, values, projected[:, t:]
-
-
-def rematerialised(fn, *, activation_argument: int):
-    """`fn` whose backward pass recomputes its forward from the inputs instead of keeping activations.
-
-    As `jax.checkpoint`, but the recomputation waits for the output's cotangent: XLA's CPU pipeline
-    drops `jax.checkpoint`'s optimisation barriers before it schedules, and with the layers unrolled
-    it then recomputes every layer at the start of the backward pass, keeping all the activations
-    alive at once. Here the input `args[activation_argument]` (the activations `fn` reads; a float
-    array) gets one element of the cotangent times zero added, a data dependency XLA keeps (a
-    non-finite cotangent, which spoils the gradients anyway, then spoils all of them).
-    """
-
-    @jax.custom_vjp
-    def wrapped(*args):
-        return fn(*args)
-
-    def forward(*args):
-        return fn(*args), args
-
-    def backward(args, cotangent):
-        first = jax.tree.leaves(cotangent)[0].reshape(-1)[0]
-        args = list(args)
-        activations = args[activation_argument]
-        args[activation_argument] = activations + (first * 0).astype(activations.dtype)
-        return jax.vjp(fn, *args)[1](cotangent)
-
-    wrapped.defvjp(forward, backward)
-    return wrapped
 
 
 class FlaxNeedleLayerCollection(nn.Module):
@@ -527,75 +323,11 @@ class FlaxNeedleLayerCollection(nn.Module):
         )
 
 
-class FlaxNeedleEngramCollection(nn.Module):
-    """Engram sites named "0", "1", ... so parameters read `model.engrams.{s}.*`.
-
-    When decoding with a cache, each site keeps the value projections of the last
-    `config.engram_conv_reach` positions as `projected_values_{s}` [B, reach, D].
-    """
-
-    config: NeedleConfig
-    dtype: jnp.dtype = jnp.float32
-
-    @nn.compact
-    def __call__(self, indices, ngram_visible, tap_visible, *, init_cache: bool = False):
-        """(keys, values) [sites, B, T, D] for T new positions (inputs as `FlaxNeedleEngram`, without the past)."""
-        cfg = self.config
-        shape = (indices.shape[0], cfg.engram_conv_reach, cfg.hidden_size)
-        keys, values = [], []
-        for s in range(len(cfg.engram_layers)):
-            name = f"projected_values_{s}"
-            state = None
-            if init_cache or self.has_variable("cache", name):
-                state = self.variable("cache", name, jnp.zeros, shape, self.dtype)
-            past = jnp.zeros(shape, self.dtype) if state is None or init_cache else state.value
-            k, v, projected = FlaxNeedleEngram(cfg, dtype=self.dtype, name=str(s))(indices, ngram_visible, tap_visible, past)
-            if state is not None and not init_cache:
-                state.value = projected
-            keys.append(k)
-            values.append(v)
-        return jnp.stack(keys), jnp.stack(values)
-
-
 @flax.struct.dataclass
 class FlaxNeedleModelOutput(FlaxBaseModelOutput):
     """`FlaxBaseModelOutput` with the decoding cache (the `cache` collection) when decoding with one."""
 
     past_key_values: Optional[dict] = None
-
-
-class FlaxNeedleDecodeState(nn.Module):
-    """Decoding position and engram token history, kept in the `cache` collection.
-
-    Returns, for the T new tokens: the cache index of the first one (None without a cache), their
-    validity [B, T], and the engram context (tokens, validity) [B, C] = history + new tokens.
-    """
-
-    config: NeedleConfig
-
-    @nn.compact
-    def __call__(self, input_ids, attention_mask, *, init_cache: bool = False):
-        b, t = input_ids.shape
-        if not (init_cache or self.has_variable("cache", "cache_index")):
-            valid = attention_mask.astype(jnp.bool_)
-            return None, valid, input_ids, valid
-        history = self.config.engram_history
-        index = self.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
-        past_tokens = self.variable("cache", "engram_tokens", jnp.zeros, (b, history), jnp.int32)
-        past_valid = self.variable("cache", "engram_valid", jnp.zeros, (b, history), jnp.bool_)
-        start = index.value
-        if init_cache:
-            valid = attention_mask[:, :t].astype(jnp.bool_)
-        else:
-            valid = jax.lax.dynamic_slice(attention_mask, (0, start), (b, t)).astype(jnp.bool_)
-        context_tokens = jnp.concatenate([past_tokens.value, input_ids.astype(jnp.int32)], axis=1)  # [B, C]
-        context_valid = jnp.concatenate([past_valid.value, valid], axis=1)
-        if init_cache:
-            return None, valid, context_tokens, context_valid
-        index.value = start + t
-        past_tokens.value = context_tokens[:, context_tokens.shape[1] - history :]
-        past_valid.value = context_valid[:, context_valid.shape[1] - history :]
-        return start, valid, context_tokens, context_valid
 
 
 class FlaxNeedleModule(nn.Module):
@@ -616,30 +348,6 @@ class FlaxNeedleModule(nn.Module):
     def embed(self, input_ids):
         """Float32 ``E[tokens] * sqrt(D)`` [B, T] -> [B, T, D] (`specification_needle.embedding_scale`)."""
         return self.embed_tokens(input_ids).astype(jnp.float32) * embedding_scale(self.config.hidden_size)
-
-    def _engram_memory(self, context_tokens, context_valid, new_tokens: int, init_cache: bool, segment_ids=None):
-        """(keys, values) [sites, B, new_tokens, D] for the last `new_tokens` of the context [B, C].
-
-        segment_ids [B, C] (packed sequences, no cache): an n-gram or conv tap reaching into an earlier
-        sequence counts as invisible, as before the start of a text."""
-        cfg = self.config
-        if self.engrams is None:
-            return None
-        orders, heads = cfg.engram_orders, cfg.engram_num_heads
-        new = lambda x: x[:, x.shape[1] - new_tokens :]  # noqa: E731  (the new positions of a context array)
-
-        def visible_back(offset):  # [B, C]: position t - offset is visible to t
-            visible = shift_right(context_valid, offset, fill=False)
-            same = same_segment_back(segment_ids, offset)
-            return visible if same is None else visible & same
-
-        # Invisible (padded) positions hash as token 0, like positions before the start.
-        indices = engram_hash_indices(jnp.where(context_valid, context_tokens, 0), orders, heads, cfg.engram_slots)
-        ngram_visible = jnp.stack([visible_back(o - 1) for o in engram_table_orders(orders, heads)], -1)
-        tap_visible = jnp.stack(
-            [new(visible_back(j * cfg.engram_conv_dilation)) for j in range(cfg.engram_conv_taps)]
-        )
-        return self.engrams(new(indices), new(ngram_visible), tap_visible, init_cache=init_cache)
 
     def __call__(
         self,
@@ -671,7 +379,8 @@ class FlaxNeedleModule(nn.Module):
         cos, sin = rope_tables(position_ids, rope_inverse_frequencies(cfg.head_dim, cfg.rope_theta))
 
         x0 = self.embed(input_ids)  # [B, T, D] float32
-        memory = self._engram_memory(context_tokens, context_valid, t, init_cache, segment_ids)
+        memory = engram_window_memory(self.engrams, cfg, context_tokens, context_valid, context_tokens.shape[1] - t,
+                                      init_cache=init_cache, segment_ids=segment_ids)
         lanes = jnp.broadcast_to(x0.astype(self.dtype)[:, :, None, :], (b, t, cfg.hyper_connection_lanes, cfg.hidden_size))
         lanes, lane_means, attentions = self.layers(
             lanes, cos, sin, key_mask, memory, cache_index=cache_index, init_cache=init_cache,
@@ -684,32 +393,6 @@ class FlaxNeedleModule(nn.Module):
         return FlaxNeedleModelOutput(last_hidden_state=last, hidden_states=hidden_states, attentions=attentions)
 
 
-class FlaxNeedleMTPHead(nn.Module):
-    """Multi-token prediction: from h_t and the embedding of token t+1, predict token t+2."""
-
-    config: NeedleConfig
-    dtype: jnp.dtype = jnp.float32
-
-    def setup(self):
-        cfg = self.config
-        self.embed_norm = FlaxNeedleRMSNorm(cfg, dtype=self.dtype)
-        self.combine_proj = nn.Dense(cfg.hidden_size, use_bias=False, dtype=self.dtype, kernel_init=normal_initializer(cfg.initializer_range))
-        self.block = FlaxNeedleBlock(cfg, dtype=self.dtype)
-        self.norm = FlaxNeedleRMSNorm(cfg, dtype=self.dtype)
-
-    def __call__(self, hidden, next_token_embeddings, cos, sin, key_mask):
-        """hidden [B, T, D] (final-normed), next_token_embeddings [B, T, D] -> [B, T, D]."""
-        return self.cached(hidden, next_token_embeddings, cos, sin, key_mask, kv_cache=None)[0]
-
-    def cached(self, hidden, next_token_embeddings, cos, sin, key_mask, *, kv_cache: Optional[LayerKVCache]):
-        """As `__call__`, the block attending over its own cache (MTP decoding) -> ([B, T, D], kv_cache)."""
-        combined = jnp.concatenate([hidden, self.embed_norm(next_token_embeddings).astype(hidden.dtype)], axis=-1)
-        combined = quantize_activations(combined, self.config)  # deploy numerics hook
-        m = self.combine_proj(combined)
-        out, kv_cache, _ = self.block.block(m, cos, sin, key_mask, kv_cache=kv_cache)
-        return self.norm(out), kv_cache
-
-
 class FlaxNeedleForCausalLMModule(nn.Module):
     """The backbone with its tied output head, the MTP head and the optional pooling heads."""
 
@@ -720,7 +403,7 @@ class FlaxNeedleForCausalLMModule(nn.Module):
     def setup(self):
         cfg = self.config
         self.model = FlaxNeedleModule(cfg, dtype=self.dtype, gradient_checkpointing=self.gradient_checkpointing)
-        self.mtp = FlaxNeedleMTPHead(cfg, dtype=self.dtype) if cfg.use_mtp_head else None
+        self.mtp = FlaxNeedleMTPHead(cfg, dtype=self.dtype, block_class=FlaxNeedleBlock) if cfg.use_mtp_head else None
         self.contrastive_head = FlaxNeedleContrastiveHead(cfg, dtype=self.dtype) if cfg.use_contrastive_head else None
         self.confidence_head = FlaxNeedleConfidenceHead(cfg, dtype=self.dtype) if cfg.use_confidence_head else None
 
@@ -764,17 +447,7 @@ class FlaxNeedleForCausalLMModule(nn.Module):
     def mtp_logits(self, input_ids, attention_mask, position_ids, hidden, *, segment_ids=None):
         """MTP logits [B, T, V] of a full sequence (input_ids and attention_mask both [B, T]); with
         segment_ids (packed sequences) a sequence's last token is followed by nothing, as a row's."""
-        if input_ids.shape[1] != attention_mask.shape[1]:
-            raise ValueError("MTP logits are computed on a full sequence, not while decoding with a cache")
-        cfg = self.config
-        next_ids = jnp.pad(input_ids[:, 1:], ((0, 0), (0, 1)))
-        cos, sin = rope_tables(position_ids, rope_inverse_frequencies(cfg.head_dim, cfg.rope_theta))
-        key_mask = attention_allowed(attention_mask, 0, input_ids.shape[1], window=self.config.attention_window)
-        if segment_ids is not None:
-            key_mask = key_mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
-            next_ids = jnp.where(jnp.pad(segment_ids[:, 1:], ((0, 0), (0, 1)), constant_values=-1) == segment_ids,
-                                 next_ids, 0)
-        return self.tied_logits(self.mtp(hidden, self.model.embed(next_ids), cos, sin, key_mask))
+        return self.tied_logits(text_mtp_hidden(self, input_ids, attention_mask, position_ids, hidden, segment_ids=segment_ids))
 
     def hidden_and_logits(self, input_ids, attention_mask, position_ids):
         """Final-normed hidden [B, T, D] and logits [B, T, V] (MTP decoding drafts from the hidden states)."""
@@ -820,44 +493,6 @@ class FlaxNeedleForCausalLMModule(nn.Module):
 
 # --------------------------------------------------------------------------------------------------
 # HF wrappers
-
-
-_FLOAT_DTYPES = ("float32", "bfloat16", "float16")
-
-
-def auto_class_dtype_request(config_dtype) -> bool:
-    """Whether a config's `dtype` is a Flax Auto class's `dtype=` argument rather than the weight dtype
-    config.json records (a name, or the torch dtype 4.57 turns that name into)."""
-    return config_dtype is not None and not isinstance(config_dtype, str) and type(config_dtype).__module__ != "torch"
-
-
-def compute_dtype(dtype, *, config_dtype=None):
-    """The Flax compute dtype for `from_pretrained`, from every spelling users and the Auto classes use.
-
-    transformers 4.57's `FlaxAutoModel*.from_pretrained(path, dtype=jnp.bfloat16)` hands `dtype` to
-    `AutoConfig`, which keeps it as the config attribute `dtype`; the model class then sees it only
-    there (`config_dtype`), so a JAX/NumPy dtype found on the config is the caller's request.
-
-    Args:
-        dtype: None (float32, or the Auto classes' request), `"auto"` (the config's recorded weight
-            dtype, float32 if none), a JAX/NumPy dtype, or a name (`"bfloat16"`, `"torch.bfloat16"`).
-        config_dtype: the config's `dtype` attribute.
-
-    Returns:
-        The `jnp.dtype`; a dtype outside float32/bfloat16/float16 raises `ValueError`.
-    """
-    if dtype is None:
-        dtype = config_dtype if auto_class_dtype_request(config_dtype) else jnp.float32
-    elif isinstance(dtype, str) and dtype == "auto":
-        dtype = config_dtype or jnp.float32
-    name = str(dtype).removeprefix("torch.") if isinstance(dtype, str) or type(dtype).__module__ == "torch" else None
-    try:
-        resolved = jnp.dtype(name if name is not None else dtype)
-    except TypeError:
-        resolved = None
-    if resolved is None or resolved.name not in _FLOAT_DTYPES:
-        raise ValueError(f"dtype: expected one of {', '.join(_FLOAT_DTYPES)} (or \"auto\"), got {dtype!r}")
-    return resolved
 
 
 class FlaxNeedlePreTrainedModel(FlaxPreTrainedModel):
@@ -1021,27 +656,8 @@ class FlaxNeedlePreTrainedModel(FlaxPreTrainedModel):
             cache_dir=cache_dir, force_download=force_download, local_files_only=local_files_only,
             token=token, revision=revision, subfolder=subfolder, proxies=proxies, _commit_hash=_commit_hash,
         )
-        if config is None:
-            config, unused = NeedleConfig.from_pretrained(
-                pretrained_model_name_or_path, return_unused_kwargs=True, **hub_kwargs, **config_overrides
-            )
-        dtype = compute_dtype(dtype, config_dtype=getattr(config, "dtype", None))
-        if config is not None:
-            config_dict = config.to_dict()
-            if auto_class_dtype_request(getattr(config, "dtype", None)):
-                # the Auto classes' `dtype=` (a JAX dtype, not a weight dtype name): taken above
-                config_dict.pop("dtype", None)
-                config_dict.pop("torch_dtype", None)
-            config = NeedleConfig.from_dict(config_dict)
-            unused = {k: v for k, v in config_overrides.items() if not hasattr(config, k)}
-            for key, value in config_overrides.items():
-                if key not in unused:
-                    setattr(config, key, value)
-        if unused:
-            raise TypeError(
-                f"{cls.__name__}.from_pretrained got unexpected keyword argument(s) {sorted(unused)} "
-                "(neither loading options nor NeedleConfig fields)"
-            )
+        config, dtype = resolve_config(pretrained_model_name_or_path, config, dtype, config_overrides, hub_kwargs,
+                                       caller=f"{cls.__name__}.from_pretrained")
         weights = cached_file(pretrained_model_name_or_path, SAFE_WEIGHTS_NAME, **hub_kwargs)
         params = read_checked_weights(weights, config, prefix=cls._weights_prefix)
         model = cls(
@@ -1069,14 +685,16 @@ class FlaxNeedlePreTrainedModel(FlaxPreTrainedModel):
     def _prepare_call(self, input_ids, attention_mask, position_ids, past_key_values):
         input_ids = jnp.asarray(input_ids, dtype="i4")
         b, t = input_ids.shape
+        if past_key_values is None and not isinstance(position_ids, jax.core.Tracer):
+            # A forward over whole texts: where both twins check the positions (`check_positions`).
+            largest = int(np.max(position_ids)) if position_ids is not None and np.size(position_ids) else None
+            check_positions(positions_taken(t, largest), self.config.max_position_embeddings)
         if attention_mask is None:
             attention_mask = jnp.ones((b, t), "i4")
         if position_ids is None:
             if past_key_values is not None:
                 raise ValueError("pass `position_ids` when decoding with `past_key_values`")
             position_ids = jnp.clip(jnp.cumsum(attention_mask, axis=-1) - 1, 0)
-        if past_key_values is None:
-            check_positions(t, self.config.max_position_embeddings)
         return input_ids, jnp.asarray(attention_mask, "i4"), jnp.asarray(position_ids, "i4")
 
     def __call__(
@@ -1161,86 +779,11 @@ class FlaxNeedleModel(FlaxNeedlePreTrainedModel):
     _weights_prefix = "model."
 
 
-
-def check_prompt_ids(input_ids, vocab_size: int) -> None:
-    """`generate`'s prompt: integer ids [B, T] in [0, vocab_size) (`prompt_ids_error`; the range is
-    checked on concrete values only, not on a jit tracer)."""
-    if not (hasattr(input_ids, "shape") and hasattr(input_ids, "dtype")):
-        try:
-            input_ids = np.asarray(input_ids)
-        except ValueError:
-            input_ids = np.asarray(0.0)  # ragged: refused below
-    integer_matrix = len(input_ids.shape) == 2 and jnp.issubdtype(input_ids.dtype, jnp.integer)
-    concrete = integer_matrix and not isinstance(input_ids, jax.core.Tracer) and input_ids.size
-    values = np.asarray(input_ids) if concrete else None
-    error = prompt_ids_error(
-        integer_matrix=integer_matrix,
-        found=f"{input_ids.dtype} of shape {tuple(input_ids.shape)}",
-        bounds=(int(values.min()), int(values.max())) if concrete else None,
-        vocab_size=vocab_size,
-    )
-    if error is not None:
-        raise error
-
-class FlaxNeedleForCausalLM(FlaxNeedlePreTrainedModel):
-    """Needle 2 with its tied language-model head, the MTP head and (when present) the pooling heads."""
+class FlaxNeedleForCausalLM(FlaxNeedleGenerationMixin, FlaxNeedleHeadsMixin, FlaxNeedlePreTrainedModel):
+    """Needle 2 with its tied language-model head, the MTP head and (when present) the pooling heads;
+    `generate` from `FlaxNeedleGenerationMixin`, the heads' methods from `FlaxNeedleHeadsMixin`."""
 
     module_class = FlaxNeedleForCausalLMModule
-
-    def prepare_inputs_for_generation(self, input_ids, max_length, attention_mask: Optional[jax.Array] = None):
-        batch_size, prompt_length = input_ids.shape
-        check_positions(max_length, self.config.max_position_embeddings)
-        past_key_values = self.init_cache(batch_size, max_length)
-        extended_mask = jnp.ones((batch_size, max_length), dtype="i4")
-        if attention_mask is not None:
-            position_ids = jnp.clip(attention_mask.cumsum(axis=-1) - 1, 0)
-            extended_mask = jax.lax.dynamic_update_slice(extended_mask, attention_mask.astype("i4"), (0, 0))
-        else:
-            position_ids = jnp.broadcast_to(jnp.arange(prompt_length, dtype="i4")[None, :], (batch_size, prompt_length))
-        return {"past_key_values": past_key_values, "attention_mask": extended_mask, "position_ids": position_ids}
-
-    def update_inputs_for_generation(self, model_outputs, model_kwargs):
-        model_kwargs["past_key_values"] = model_outputs.past_key_values
-        model_kwargs["position_ids"] = model_kwargs["position_ids"][:, -1:] + 1
-        return model_kwargs
-
-    def generate(self, input_ids, generation_config=None, prng_key=None, trace: bool = True, params=None,
-                 logits_processor=None, **kwargs):
-        """`FlaxGenerationMixin.generate`; with ``use_mtp_head=True`` (argument or generation config), decoding
-        with MTP self-speculation (`speculative_flax`): greedy gives the same tokens, sampling
-        (``do_sample=True``, seeded by ``prng_key``) the same distribution, with fewer backbone
-        forwards, returned as a `FlaxMTPGenerateOutput` (sequences and draft counts).
-
-        Either way the layers run on `with_decoding_kernels` of the params (q, k, v and gate kernels
-        concatenated once per call, one matmul per decoding step)."""
-        use_mtp = pop_mtp_option(kwargs, generation_config if generation_config is not None else self.generation_config)
-        check_prompt_ids(input_ids, self.config.vocab_size)
-        params = with_decoding_kernels(params if params is not None else self.params, self.config)
-        if not use_mtp:
-            return super().generate(input_ids, generation_config, prng_key, trace, params, logits_processor, **kwargs)
-        from .speculative_flax import mtp_generate, resolve_generation
-
-        max_length, eos, pad, processors, warpers, mask = resolve_generation(self, input_ids, generation_config,
-                                                                             logits_processor, kwargs)
-        return mtp_generate(self, input_ids, mask, max_length=max_length, eos_token_id=eos, pad_token_id=pad,
-                            logits_processor=processors, logits_warper=warpers, prng_key=prng_key, params=params,
-                            trace=trace)
-
-    def _apply_method(self, method, input_ids, attention_mask, params):
-        input_ids = jnp.asarray(input_ids, "i4")
-        mask = None if attention_mask is None else jnp.asarray(attention_mask, "i4")
-        return self.module.apply({"params": params or self.params}, input_ids, mask, method=method)
-
-    def contrastive_embedding(self, input_ids, attention_mask=None, params=None):
-        """Tool-retrieval embedding: (unit-norm [B, contrastive_dim], log_temperature).
-
-        Without `attention_mask`, tokens equal to `pad_token_id` are treated as padding (as the reference does).
-        """
-        return self._apply_method(FlaxNeedleForCausalLMModule.contrastive_embedding, input_ids, attention_mask, params)
-
-    def confidence_logit(self, input_ids, attention_mask=None, params=None):
-        """Confidence logit [B] (float32) of the confidence head."""
-        return self._apply_method(FlaxNeedleForCausalLMModule.confidence_logit, input_ids, attention_mask, params)
 
 
 __all__ = ["FlaxNeedleForCausalLM", "FlaxNeedleModel", "FlaxNeedlePreTrainedModel", "FlaxNeedleCausalLMOutput"]

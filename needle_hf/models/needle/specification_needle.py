@@ -63,6 +63,7 @@ TWIN_HELPERS = (
     "sinkhorn",  # (logits, iterations)
     "walsh_transform",  # (z, walsh)
     "engram_hash_indices",  # (tokens, orders, num_heads, slots)
+    "add_engram_read",  # (u, engram_key, engram_value, eps)
     "packed_segment_ids",  # (position_ids)
     "probe_pool",  # (cells, keep, probes)
     "check_prompt_ids",  # (input_ids, vocab_size)
@@ -105,12 +106,26 @@ def attention_window_option(value) -> int:
 
 
 def check_positions(positions: int, max_position_embeddings: int) -> None:
-    """The text (prompt plus new tokens) must fit the positions the model was trained for."""
+    """The text must fit the positions the model was trained for.
+
+    Both twins check it at the same two points: a forward without a cache (`positions_taken`; the
+    causal LM, the backbone and the probe-pooling heads alike), and the start of `generate`, before any
+    decoding (the prompt plus the new tokens it may add: ``max_length``, or prompt + ``max_new_tokens``).
+    A forward with a cache is a step of some decoding, whose start was checked. Under tracing
+    (``torch.compile``, ``jax.jit``) a forward's position ids have no value to check.
+    """
     if positions > max_position_embeddings:
         raise ValueError(
             f"the text reaches {positions} positions, more than max_position_embeddings="
             f"{max_position_embeddings}; shorten the prompt or max_new_tokens"
         )
+
+
+def positions_taken(length: int, largest_position: int | None) -> int:
+    """The positions a forward over whole texts takes: its largest position id plus one when the call
+    gives position ids (the sequences of a packed batch restart theirs), else its length T (the
+    default positions, counted from 0 over the real tokens, stay below T)."""
+    return length if largest_position is None else largest_position + 1
 
 
 def prompt_ids_error(*, integer_matrix: bool, found: str, bounds: tuple[int, int] | None, vocab_size: int):
@@ -144,6 +159,7 @@ __all__ = [
     "attention_rule",
     "attention_window_option",
     "check_positions",
+    "positions_taken",
     "embedding_scale",
     "prompt_ids_error",
     "walsh_operand_names",

@@ -35,6 +35,7 @@ from jax import lax
 from transformers.generation.flax_logits_process import FlaxLogitsProcessorList
 
 from .cache_flax_needle import LayerKVCache
+from .specification_needle import check_positions
 
 
 @flax.struct.dataclass
@@ -125,11 +126,7 @@ def mtp_generate(model, input_ids, attention_mask=None, *, max_length: int, eos_
     module = model.module
     input_ids = jnp.asarray(input_ids, jnp.int32)
     batch, prompt_length = input_ids.shape
-    if max_length > model.config.max_position_embeddings:
-        raise ValueError(
-            f"prompt ({prompt_length} tokens) plus new tokens reach {max_length} positions, more than "
-            f"max_position_embeddings={model.config.max_position_embeddings}; shorten the prompt or max_new_tokens"
-        )
+    check_positions(max_length, model.config.max_position_embeddings)  # the start of generate
     slots = max_length + 1
     prompt_mask = jnp.ones_like(input_ids) if attention_mask is None else jnp.asarray(attention_mask, jnp.int32)
     mask = jnp.ones((batch, slots), jnp.int32).at[:, :prompt_length].set(prompt_mask)  # [B, S]

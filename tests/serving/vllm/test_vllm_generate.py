@@ -18,7 +18,7 @@ import needle_hf  # noqa: F401  (registers Needle with the Auto classes)
 from needle_hf.models.needle.configuration_needle import NeedleConfig
 from needle_hf.models.needle.modeling_needle import NeedleForCausalLM
 from needle_hf.serving.vllm.model import check_servable
-from vllm_support import perturb_every_parameter, vllm_engine
+from vllm_support import vllm_engine
 
 pytestmark = pytest.mark.vllm  # runs in .venv-vllm only
 
@@ -37,15 +37,10 @@ TINY_CONFIG = dict(
 
 
 @pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory):
+def tiny_folder(tmp_path_factory, perturbed_needle):
     """A perturbed tiny Needle 2 saved as the folder transformers and vLLM load."""
-    torch.manual_seed(0)
-    config = NeedleConfig(**TINY_CONFIG)
-    config.architectures = ["NeedleForCausalLM"]
-    model = NeedleForCausalLM(config).eval()
-    perturb_every_parameter(model, seed=1)
     folder = tmp_path_factory.mktemp("vllm") / "tiny-needle"
-    model.save_pretrained(folder)
+    perturbed_needle(folder, **TINY_CONFIG)
     return folder
 
 

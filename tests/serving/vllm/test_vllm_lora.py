@@ -17,9 +17,8 @@ import torch
 
 import needle_hf  # noqa: F401  (registers Needle with the Auto classes)
 from needle_hf.finetune.trainer import LORA_TARGET_PROJECTIONS, needle_lora_config
-from needle_hf.models.needle.configuration_needle import NeedleConfig
 from needle_hf.models.needle.modeling_needle import NeedleForCausalLM
-from vllm_support import perturb_every_parameter, vllm_engine
+from vllm_support import vllm_engine
 
 pytestmark = pytest.mark.vllm  # runs in .venv-vllm only
 
@@ -34,15 +33,10 @@ TINY_CONFIG = dict(
 
 
 @pytest.fixture(scope="module")
-def folders(tmp_path_factory):
+def folders(tmp_path_factory, perturbed_needle):
     """(base folder, adapter folder, merged model): a perturbed tiny Needle 2 and its LoRA adapter."""
-    torch.manual_seed(0)
-    config = NeedleConfig(**TINY_CONFIG)
-    config.architectures = ["NeedleForCausalLM"]
-    model = NeedleForCausalLM(config).eval()
-    perturb_every_parameter(model, seed=1)
     root = tmp_path_factory.mktemp("vllm-lora")
-    model.save_pretrained(root / "base")
+    model = perturbed_needle(root / "base", **TINY_CONFIG)
 
     tuned = peft.get_peft_model(model, needle_lora_config(rank=RANK, alpha=16.0))
     generator = torch.Generator().manual_seed(2)

@@ -1,0 +1,123 @@
+"""Rules both twins apply alike, each test running both on the same input: the wording of a damaged
+checkpoint (the one checker of `weight_names`) and the position limit (`specification_needle
+.check_positions`, at a forward without a cache and at the start of `generate`).
+
+The Flax half runs where transformers 4.x with Flax is installed; under transformers 5 (.venv-v5)
+the PyTorch half still holds the exact message the Flax model gives.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import safetensors.numpy
+import torch
+from hub_support import flax_model_available
+from needle_reference import TINY_NATIVE_CONFIG, make_native_params
+
+from needle_hf.models.needle.configuration_needle import NeedleConfig
+from needle_hf.models.needle.modeling_needle import NeedleForCausalLM
+from needle_hf.models.needle.weight_names import NeedleWeightsError, native_to_hf
+
+pytestmark = [pytest.mark.v5, pytest.mark.usefixtures("one_cpu_thread")]  # conftest: torch on one thread
+
+
+def _twins(folder) -> dict:
+    """How each twin loads ``folder`` (the Flax one where it is installed)."""
+    twins = {"torch": NeedleForCausalLM.from_pretrained}
+    if flax_model_available():
+        from needle_hf.models.needle.modeling_flax_needle import FlaxNeedleForCausalLM
+
+        twins["flax"] = FlaxNeedleForCausalLM.from_pretrained
+    return twins
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A tiny config and its weight table (HF names -> numpy), saved as a folder."""
+    config = NeedleConfig.from_needle_config(TINY_NATIVE_CONFIG, use_contrastive_head=True, use_confidence_head=True)
+    table = native_to_hf(make_native_params(TINY_NATIVE_CONFIG, 0), config)
+    folder = tmp_path_factory.mktemp("tiny")
+    _write(folder, config, table)
+    return config, table, folder
+
+
+def _write(folder, config: NeedleConfig, tensors: dict) -> None:
+    config.save_pretrained(folder)
+    safetensors.numpy.save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
+MISSING = "model.layers.1.self_attn.q_proj.weight"
+RESHAPED = "model.layers.2.self_attn.k_proj.weight"  # [K * H, D] = (32, 64)
+DAMAGES = {
+    "missing": ({MISSING: None}, f"missing tensor {MISSING} (1 missing in all)"),
+    "unexpected": ({"model.layers.0.extra": np.zeros(3, np.float32)}, "unexpected tensor model.layers.0.extra (1 unexpected in all)"),
+    "wrong-shape": (
+        {RESHAPED: np.zeros((64, 64), np.float32)},
+        f"tensor {RESHAPED}: expected shape (32, 64), got (64, 64) (1 of the wrong shape in all)",
+    ),
+    "all-three": (
+        {MISSING: None, "model.layers.0.extra": np.zeros(3, np.float32), RESHAPED: np.zeros((64, 64), np.float32)},
+        f"missing tensor {MISSING} (1 missing in all); unexpected tensor model.layers.0.extra (1 unexpected in all); "
+        f"tensor {RESHAPED}: expected shape (32, 64), got (64, 64) (1 of the wrong shape in all)",
+    ),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGES))
+def test_both_twins_word_a_damaged_checkpoint_alike(checkpoint, tmp_path, damage):
+    config, table, _ = checkpoint
+    edits, problems = DAMAGES[damage]
+    damaged = {name: tensor for name, tensor in table.items() if edits.get(name, tensor) is not None}
+    damaged.update({name: tensor for name, tensor in edits.items() if tensor is not None})
+    _write(tmp_path, config, damaged)
+    expected = f"{tmp_path / 'model.safetensors'}: {problems}"
+    for twin, load in _twins(tmp_path).items():
+        with pytest.raises(NeedleWeightsError) as error:
+            load(tmp_path)
+        assert str(error.value) == expected, twin
+
+
+def test_both_twins_refuse_a_text_beyond_the_positions_at_a_forward_and_at_generate(checkpoint):
+    config, _, folder = checkpoint
+    limit = config.max_position_embeddings
+    too_long = np.random.default_rng(0).integers(1, config.vocab_size, size=(1, limit + 1))
+    prompt = too_long[:, : limit - 4]
+    message = f"the text reaches {limit + 1} positions, more than max_position_embeddings={limit}"
+    torch_model = NeedleForCausalLM.from_pretrained(folder).eval()
+    flax_model = _twins(folder)["flax"](folder) if "flax" in _twins(folder) else None
+    with torch.no_grad():
+        # A forward without a cache: its tokens.
+        with pytest.raises(ValueError, match=message):
+            torch_model(torch.from_numpy(too_long))
+        with pytest.raises(ValueError, match=message):
+            torch_model.model(torch.from_numpy(too_long), use_cache=False)
+        assert torch_model(torch.from_numpy(too_long[:, :limit]), use_cache=False).logits.shape[1] == limit
+        # The start of generate: the prompt and the new tokens it may add, before any decoding.
+        with pytest.raises(ValueError, match=message):
+            torch_model.generate(torch.from_numpy(prompt), max_new_tokens=5, do_sample=False)
+    if flax_model is not None:
+        with pytest.raises(ValueError, match=message):
+            flax_model(too_long)
+        with pytest.raises(ValueError, match=message):
+            flax_model.generate(prompt, max_new_tokens=5)
+
+
+def test_a_packed_row_counts_the_positions_of_its_sequences_in_both_twins(checkpoint):
+    config, _, folder = checkpoint
+    limit = config.max_position_embeddings
+    ids = np.random.default_rng(1).integers(1, config.vocab_size, size=(1, limit + 20))
+    # Two packed sequences of `limit` and 20 tokens: the row is longer than the positions, its sequences are not.
+    packed = np.concatenate([np.arange(limit), np.arange(20)])[None]
+    message = f"the text reaches {limit + 1} positions, more than max_position_embeddings={limit}"
+    torch_model = NeedleForCausalLM.from_pretrained(folder).eval()
+    with torch.no_grad():
+        assert torch_model(torch.from_numpy(ids), position_ids=torch.from_numpy(packed)).logits.shape[1] == limit + 20
+        with pytest.raises(ValueError, match=message):  # a sequence reaching position `limit`
+            torch_model(torch.from_numpy(ids), position_ids=torch.from_numpy(packed + 1))
+    twins = _twins(folder)
+    if "flax" in twins:
+        flax_model = twins["flax"](folder)
+        assert flax_model(ids, position_ids=packed).logits.shape[1] == limit + 20
+        with pytest.raises(ValueError, match=message):
+            flax_model(ids, position_ids=packed + 1)
