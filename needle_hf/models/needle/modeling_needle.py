@@ -87,16 +87,9 @@ from .masking_needle import (  # noqa: F401  (re-exported)
 from .mtp_needle import NeedleMultiTokenPrediction, text_mtp_hidden
 from .norms_needle import NeedleRMSNorm, rms_unit, zero_centred_rms_norm  # noqa: F401  (re-exported)
 from .numerics import (
-    ATTENTION_GATE_INIT,
-    CONTRASTIVE_TEMPERATURE_INIT,
-    ENGRAM_FIRST_TAP_INIT,
-    HADAMARD_DIAG_HIDDEN_INIT,
-    HADAMARD_DIAG_IN_INIT,
-    HADAMARD_DIAG_OUT_INIT,
-    HYPER_CONNECTION_ALPHA_INIT,
-    HYPER_CONNECTION_RES_BIAS_INIT,
-    NORM_WEIGHT_INIT,
-    TIED_WEIGHTS,
+    ATTENTION_GATE_INIT, CONTRASTIVE_TEMPERATURE_INIT, ENGRAM_FIRST_TAP_INIT, HADAMARD_DIAG_HIDDEN_INIT,
+    HADAMARD_DIAG_IN_INIT, HADAMARD_DIAG_OUT_INIT, HYPER_CONNECTION_ALPHA_INIT, HYPER_CONNECTION_RES_BIAS_INIT,
+    NORM_WEIGHT_INIT, TIED_WEIGHTS,
 )
 from .ops_needle import (  # noqa: F401  (re-exported: the twin ops table)
     apply_rotary,
