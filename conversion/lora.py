@@ -37,7 +37,7 @@ import numpy as np
 
 from .atomic_output import check_output_file, check_output_folder, check_output_outside_inputs, errors_name, publish_folder, staging_path
 from .cact_writer import write_atomically
-from .native_checkpoint import WRITE_PROTOCOL, CheckpointFormatError, _unpickle
+from .native_checkpoint import WRITE_PROTOCOL, CheckpointFormatError, safe_unpickle
 
 # Reference kernel name -> HF module name, in the reference's order.
 PROJECTIONS = {"q_proj": "q_proj", "k_proj": "k_proj", "v_proj": "v_proj", "gate_proj": "gate_proj", "out_proj": "o_proj"}
@@ -128,7 +128,7 @@ def read_native_adapter(path, config=None) -> NativeAdapter:
     if not path.is_file():
         raise AdapterError(f"no adapter file at {path}")
     try:
-        payload = _unpickle(path)
+        payload = safe_unpickle(path)
     except CheckpointFormatError as error:
         raise AdapterError(str(error).replace("native Needle checkpoint", "Needle LoRA adapter")) from None
     if not isinstance(payload, dict) or not isinstance(payload.get("lora"), dict) or "scale" not in payload:

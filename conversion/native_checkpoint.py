@@ -456,7 +456,9 @@ def is_native_checkpoint(path) -> bool:
         return looks_like_pickle(f.read(3))
 
 
-def _unpickle(path: Path):
+def safe_unpickle(path: Path):
+    """The object pickled in ``path``, through the allow-list unpickler (no code runs; see the module
+    docstring): native checkpoints and native LoRA adapters are read this way."""
     # Unpickled from the open file, not from its bytes in memory: a checkpoint's arrays then cost
     # their own size once, not twice.
     with open(path, "rb") as stream:
@@ -536,7 +538,7 @@ def load_native_checkpoint(path) -> NativeCheckpoint:
             a format_version 2 checkpoint (missing keys, wrong version, params not arrays, ...).
     """
     path = Path(path)
-    ckpt = _unpickle(path)
+    ckpt = safe_unpickle(path)
     if not isinstance(ckpt, dict):
         raise CheckpointFormatError(f"{path}: expected a pickled dict, found {type(ckpt).__name__}")
     missing = [key for key in REQUIRED_KEYS if key not in ckpt]

@@ -21,6 +21,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from needle_hf.cli import main
 from needle_hf.conversion.lora import MAX_SCALE
+from needle_hf.conversion.native_checkpoint import safe_unpickle
 
 from test_lora_interop import (  # noqa: F401  (fixtures)
     RANK,
@@ -64,8 +65,7 @@ def test_a_half_precision_peft_adapter_exports_and_builds(hf_dir, tmp_path, dtyp
     stored = load_file(str(tmp_path / "half" / "adapter_model.safetensors"))
     assert {value.dtype for value in stored.values()} == {dtype}
     assert main(["lora", "export", str(tmp_path / "half"), str(tmp_path / "half.pkl"), "--base", str(hf_dir)]) == 0
-    with open(tmp_path / "half.pkl", "rb") as handle:
-        exported = pickle.load(handle)
+    exported = safe_unpickle(tmp_path / "half.pkl")
     for layer in range(3):
         key = f"base_model.model.model.layers.{layer}.self_attn.q_proj"
         np.testing.assert_array_equal(exported["lora"]["stack/layers/block/self_attn/q_proj/kernel"]["A"][layer],

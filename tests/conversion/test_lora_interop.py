@@ -14,6 +14,7 @@ import torch
 
 from needle_hf.cli import main
 from needle_hf.conversion.lora import PEFT_TARGET_MODULES, PROJECTIONS
+from needle_hf.conversion.native_checkpoint import safe_unpickle
 from needle_reference import (
     TINY_NATIVE_CONFIG,
     make_native_params,
@@ -145,8 +146,7 @@ def test_exported_adapter_merges_in_the_reference_to_peft_merge_and_unload(hf_di
 def test_import_then_export_returns_the_reference_adapter(imported, hf_dir, tmp_path):
     folder, adapter = imported
     assert main(["lora", "export", str(folder / "peft"), str(tmp_path / "back.pkl"), "--base", str(hf_dir)]) == 0
-    with open(tmp_path / "back.pkl", "rb") as handle:
-        back = pickle.load(handle)
+    back = safe_unpickle(tmp_path / "back.pkl")
     assert back["scale"] == adapter["scale"] and back["rank"] == adapter["rank"]
     for path, pair in adapter["lora"].items():
         np.testing.assert_array_equal(back["lora"][path]["A"], pair["A"])
@@ -157,8 +157,7 @@ def test_layers_an_adapter_skips_export_as_zero(hf_dir, params, tmp_path):
     _trained_peft_folder(hf_dir, tmp_path / "peft", target_modules=["q_proj"], layers_to_transform=[1],
                          layers_pattern="layers")
     assert main(["lora", "export", str(tmp_path / "peft"), str(tmp_path / "out.pkl"), "--base", str(hf_dir)]) == 0
-    with open(tmp_path / "out.pkl", "rb") as handle:
-        pair = pickle.load(handle)["lora"]["stack/layers/block/self_attn/q_proj/kernel"]
+    pair = safe_unpickle(tmp_path / "out.pkl")["lora"]["stack/layers/block/self_attn/q_proj/kernel"]
     assert not pair["A"][0].any() and not pair["B"][2].any() and pair["B"][1].any()
 
 
@@ -229,7 +228,7 @@ def test_qat_scheme_of_the_adapter_is_deployed_and_kept(params, hf_dir, needle_s
     assert "trained (QAT) for CQ W2; --bits 4" in capsys.readouterr().err
     assert not (tmp_path / "w4.cact").exists()
     assert main(["lora", "export", str(tmp_path / "peft"), str(tmp_path / "back.pkl"), "--base", str(hf_dir)]) == 0
-    back = pickle.loads((tmp_path / "back.pkl").read_bytes())
+    back = safe_unpickle(tmp_path / "back.pkl")
     assert (back["qat_bits"], back["qat_bits_map"], back["seed"]) == (2, None, 4)
 
 
