@@ -1,9 +1,9 @@
 """Fine-tune a small Needle 2 for the smart-home app and score it on the app's acceptance suite.
 
 The loop an app developer runs, on this machine's CPUs (at most ``--max-minutes`` of training on one
-core, then about 4 minutes of scoring). The shipped weights come from a 42-minute run and two
-resumed ones (``--resume --previous-log ...``, 3.7 and 7 minutes): 52.5 minutes, 814 steps in all,
-recorded in the results JSON:
+core, then a few minutes of scoring). The shipped weights come from a 44.6-minute run (1,100 steps of
+32) and a resumed one (``--resume --previous-log ...``, 360 steps at a lower rate, 10.7 minutes):
+55.3 minutes in all, recorded in the results JSON:
   1. a fresh Needle 2 of the demo's geometry (`SMART_HOME_CONFIG`, the reference's initialisation,
      seed 0) with the real Needle 2 tokenizer (8192 pieces; `scripts/setup.sh` fetches it from the
      `cactus-needle==2.0.0` wheel into needle_hf/demo/smart_home_weights/, it is never committed);
@@ -14,7 +14,9 @@ recorded in the results JSON:
      others our own definitions and system texts. A held-out set of queries the training set never
      holds;
   3. fine-tuning of every weight with `needle_hf.finetune.trainer.NeedleTrainer` (a
-     `transformers.Trainer`; the Needle next-token loss on the assistant target and EOS), AdamW with
+     `transformers.Trainer`; the Needle next-token loss on the assistant target and EOS) in
+     shared-prefix batches (`needle_hf.finetune.shared_prefix`: the rows of a batch offer the same tools
+     and system text, whose ~700 tokens run once per batch, not once per row), AdamW with
      warm-up and cosine decay, gradient clipping 1.0; the weights are saved every
      ``--save-every`` steps so an interrupted run leaves a usable checkpoint, and training stops early
      at ``--max-minutes``;
@@ -27,7 +29,9 @@ recorded in the results JSON:
 The weights (float32 safetensors + config.json) go to needle_hf/demo/smart_home_weights/ and the
 figures to needle_hf/demo/smart_home_results.json.
 
-    .venv/bin/python scripts/train_smart_home.py                 # train, then measure
+    .venv/bin/python scripts/train_smart_home.py > first.log     # train (<= 50 min), then measure
+    .venv/bin/python scripts/train_smart_home.py --resume --previous-log first.log \
+        --steps 360 --learning-rate 1e-3 --max-minutes 11        # the shipped weights' second run
     .venv/bin/python scripts/train_smart_home.py --evaluate-only # measure the shipped weights
 """
 
@@ -58,7 +62,7 @@ from needle_hf.demo.smart_home_model import (  # noqa: E402
 )
 
 RESULTS = REPO / "needle_hf" / "demo" / "smart_home_results.json"
-TRAIN_EXAMPLES = 8000
+TRAIN_EXAMPLES = 24000
 HELD_OUT_EXAMPLES = 240
 SUITE_SHARE = 0.75  # share of training examples that offer the installed suite's own tools and system text
 SUITES = ("smart_home", "kitchen_appliance", "media_player", "productivity", "wearable", "data_capture")
@@ -66,8 +70,9 @@ SUITES = ("smart_home", "kitchen_appliance", "media_player", "productivity", "we
 
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=700)
-    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=1100)
+    parser.add_argument("--examples", type=int, default=TRAIN_EXAMPLES, help="training examples to generate")
+    parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--learning-rate", type=float, default=3e-3)
     parser.add_argument("--max-minutes", type=float, default=50.0, help="stop training after this long")
     parser.add_argument("--save-every", type=int, default=100)
@@ -143,7 +148,10 @@ def train(args, work: Path, results: dict) -> None:
     import torch
     from transformers import AutoTokenizer, TrainerCallback, TrainingArguments
 
-    from needle_hf.finetune.data import NeedlePaddingCollator, conversations_dataset, tokenize_conversations
+    from needle_hf.finetune.data import conversations_dataset, tokenize_conversations
+    from needle_hf.finetune.shared_prefix import (
+        PrefixGroupedBatchSampler, SharedPrefixCollator, conversation_prefix_key,
+    )
     from needle_hf.finetune.trainer import NeedleTrainer
     from needle_hf.models.needle.modeling_needle import NeedleForCausalLM
 
@@ -157,9 +165,11 @@ def train(args, work: Path, results: dict) -> None:
     tokenizer = AutoTokenizer.from_pretrained(work / "base")
     print(f"      {sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters")
 
-    print(f"[2/5] {TRAIN_EXAMPLES} training examples (seed {TRAIN_SEED}), {len(training_sources())} tool/system sources")
-    train_examples = make_examples(TRAIN_EXAMPLES, seed=TRAIN_SEED, split="train")
-    train_rows = tokenize_conversations(conversations_dataset(_rows(train_examples)), tokenizer)
+    print(f"[2/5] {args.examples} training examples (seed {TRAIN_SEED}), {len(training_sources())} tool/system sources")
+    train_examples = make_examples(args.examples, seed=TRAIN_SEED, split="train")
+    conversations = conversations_dataset(_rows(train_examples))
+    prefix_keys = [conversation_prefix_key(row) for row in conversations]
+    train_rows = tokenize_conversations(conversations, tokenizer)
     lengths = [len(ids) for ids in train_rows["input_ids"]]
     results["data"] = {"train_examples": len(train_examples), "tokens_per_example": [min(lengths), max(lengths)],
                        "suite_share": SUITE_SHARE if len(training_sources()) > 1 else 0.0,
@@ -196,7 +206,8 @@ def train(args, work: Path, results: dict) -> None:
             disable_tqdm=True,
         ),
         train_dataset=train_rows,
-        data_collator=NeedlePaddingCollator(pad_token_id=tokenizer.pad_token_id),
+        data_collator=SharedPrefixCollator(pad_token_id=tokenizer.pad_token_id),
+        train_batch_sampler=PrefixGroupedBatchSampler(prefix_keys, batch_size=args.batch_size, seed=0),
         callbacks=[Progress()],
     )
     output = trainer.train()

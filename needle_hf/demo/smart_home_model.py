@@ -24,7 +24,7 @@ TOKENIZER_FILE = MODEL_DIR / "tokenizer.model"
 TOKENIZER_RELEASE, TOKENIZER_MEMBER = "cactus-needle==2.0.0", "needle/model/tokenizer.model"
 #: Needle 2 geometry of the demo (NeedleConfig fields): small enough to train on 2 CPU cores within an hour.
 SMART_HOME_CONFIG = dict(
-    vocab_size=8192, hidden_size=128, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3,
+    vocab_size=8192, hidden_size=192, num_attention_heads=6, num_key_value_heads=2, num_hidden_layers=4,
     max_position_embeddings=1024, engram_layers=(1,), engram_slots=1024, contrastive_dim=32,
 )
 
