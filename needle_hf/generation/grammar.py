@@ -18,10 +18,9 @@ what a tool's ``parameters`` may be, and `_Bounder` turns them into a schema who
 (references resolved, depth and numbers bounded). A keyword the grammar cannot enforce is refused
 with a `ToolGrammarError` naming the tool and the keyword, never loosened.
 
-The grammar engine is llguidance. `benchmarks/grammar.py` measures it against xgrammar: on an
-8192-piece vocabulary both compile a request's grammar in 1.5-3 ms and compute a mask in single
-microseconds (median; worst 77 us vs 171 us), all far below a decoding step. llguidance wins on
-what matters more here: its grammars address tokens by id (xgrammar's JSON grammars match text, so
+The grammar engine is llguidance. `benchmarks/grammar.py` measures it against xgrammar (figures in
+benchmarks/README.md): both compile and mask far below a decoding step. llguidance wins on what
+matters more here: its grammars address tokens by id (xgrammar's JSON grammars match text, so
 a spelled-out marker would pass) and it needs neither torch nor triton (xgrammar pulls in both).
 
 Vocabulary. llguidance needs the bytes each token id stands for. Decoding ids one by one with the
