@@ -182,6 +182,17 @@ def test_confidence_is_the_head_capped_by_the_answer_tokens(agents):
     assert envelope["confidence"] == pytest.approx(min(head, min(generation.token_probs)), abs=1e-6)
 
 
+def query_prompts(agent) -> list[list[int]]:
+    """The prompt ids ``agent`` sends for each of `QUERIES` (its tools routed per query), one per query."""
+    prompts = []
+    for query in QUERIES:
+        agent.reset()
+        agent._messages.append({"role": "user", "content": query})
+        agent._offered = agent._route(query)
+        prompts.append(agent._prompt_ids(MAX_NEW_TOKENS))
+    return prompts
+
+
 def test_the_decoding_loop_gives_generate_s_tokens_and_reads_the_confidence_on_the_way(agents):
     """The PyTorch backend's greedy loop equals `generate()` with the grammar's logits processor on a
     left-padded batch (tokens exactly, token probabilities to 1e-6), and the confidence it reads off
@@ -191,12 +202,7 @@ def test_the_decoding_loop_gives_generate_s_tokens_and_reads_the_confidence_on_t
 
     agent = agents("pt")
     backend = agent._backend
-    prompts = []
-    for query in QUERIES:
-        agent.reset()
-        agent._messages.append({"role": "user", "content": query})
-        agent._offered = agent._route(query)
-        prompts.append(agent._prompt_ids(MAX_NEW_TOKENS))
+    prompts = query_prompts(agent)
     assert len(set(map(len, prompts))) > 1  # the batch is left-padded
     generations = backend.generate(prompts, max_new_tokens=MAX_NEW_TOKENS, tools=agent._offered)
     ids, mask = backend._left_padded(prompts, max(map(len, prompts)))
@@ -226,12 +232,7 @@ def test_compile_runs_the_same_loop_through_the_compiled_steps(folder, agents):
     off its steps (compiled products sum in another order: probabilities to 1e-3)."""
     plain = agents("pt")
     compiled = needle_hf.Needle(folder, tools=DEMO_FUNCTIONS, compile=True)
-    prompts = []
-    for query in QUERIES:
-        plain.reset()
-        plain._messages.append({"role": "user", "content": query})
-        plain._offered = plain._route(query)
-        prompts.append(plain._prompt_ids(MAX_NEW_TOKENS))
+    prompts = query_prompts(plain)
     want = plain._backend.generate(prompts, max_new_tokens=MAX_NEW_TOKENS, tools=plain._offered)
     got = compiled._backend.generate(prompts, max_new_tokens=MAX_NEW_TOKENS, tools=plain._offered)
     assert compiled._backend.model._compiled_call.programs  # the steps ran compiled programs
@@ -250,12 +251,7 @@ def test_the_flax_loop_reads_the_confidence_off_its_decoding_steps(agents, monke
     steps return, equals the head run afresh on prompt + answer (to 1e-5), without that second forward."""
     agent = agents("flax")
     backend = agent._backend
-    prompts = []
-    for query in QUERIES:
-        agent.reset()
-        agent._messages.append({"role": "user", "content": query})
-        agent._offered = agent._route(query)
-        prompts.append(agent._prompt_ids(MAX_NEW_TOKENS))
+    prompts = query_prompts(agent)
     assert len(set(map(len, prompts))) > 1  # the batch is left-padded
     second_forwards = []
     afresh = backend.confidence
