@@ -32,11 +32,11 @@ from __future__ import annotations
 
 from typing import Optional
 
-import datasets
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 from transformers import Trainer
+from transformers.utils import is_datasets_available
 
 from .data import IGNORE_INDEX, checked_option
 from .heads import confidence_loss
@@ -195,6 +195,15 @@ class NeedleLossMixin:
         return self.args.n_gpu if self.args.n_gpu > 1 else self.accelerator.num_processes
 
 
+def _is_arrow_dataset(dataset) -> bool:
+    """Whether ``dataset`` is a `datasets.Dataset` (an optional dependency: absent where only serving runs)."""
+    if not is_datasets_available():
+        return False
+    import datasets
+
+    return isinstance(dataset, datasets.Dataset)
+
+
 class NeedleTrainer(NeedleLossMixin, Trainer):
     """`transformers.Trainer` with the Needle fine-tuning loss (``mtp_loss_weight`` as in `NeedleLossMixin`).
 
@@ -226,7 +235,7 @@ class NeedleTrainer(NeedleLossMixin, Trainer):
         if keyed is not None and keyed != rows:
             raise ValueError(f"train_batch_sampler: expected one key per training row ({rows}), found {keyed}")
         dataset, collator = self.train_dataset, self.data_collator
-        if isinstance(dataset, datasets.Dataset):
+        if _is_arrow_dataset(dataset):
             dataset = self._remove_unused_columns(dataset, description="training")
         else:
             collator = self._get_collator_with_removed_columns(collator, description="training")

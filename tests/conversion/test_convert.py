@@ -123,16 +123,16 @@ def test_converted_heads_equal_the_reference(flax_model, params):
 def test_folder_holds_config_generation_config_and_the_native_tensors(converted, params):
     from transformers import AutoConfig, GenerationConfig
 
-    assert sorted(p.name for p in converted.iterdir()) == [
-        "cache_flax_needle.py", "cache_needle.py", "chat_template.jinja", "compiled_decoding_needle.py",
-        "config.json", "config_fields.py", "configuration_needle.py", "conversion_report.json", "deploy_numerics.py",
-        "deploy_numerics_flax.py", "generation_config.json", "generation_needle.py", "heads_flax_needle.py",
-        "heads_needle.py", "loading_flax_needle.py", "loading_needle.py", "masking_flax_needle.py",
-        "masking_needle.py", "model.safetensors", "modeling_flax_needle.py", "modeling_needle.py", "mtp_option.py",
-        "norms_flax_needle.py", "norms_needle.py", "numerics.py", "ops_flax_needle.py", "ops_needle.py", "remote_code.py", "special_tokens_map.json",
-        "specification_needle.py", "speculative.py", "speculative_flax.py", "tokenizer.json", "tokenizer_config.json",
-        "weight_names.py",
-    ]
+    from needle_hf.models.needle.remote_code import remote_code_files
+
+    # The model code every Auto class needs (the modeling files and their imports, recursively), the
+    # weights, the configs, the tokenizer, the chat template and the conversion report; nothing else.
+    code = {path.name for paths in remote_code_files().values() for path in paths}
+    assert {"configuration_needle.py", "modeling_needle.py", "modeling_flax_needle.py", "specification_needle.py",
+            "weight_names.py"} <= code
+    assert sorted(p.name for p in converted.iterdir()) == sorted(code | {
+        "chat_template.jinja", "config.json", "conversion_report.json", "generation_config.json", "model.safetensors",
+        "special_tokens_map.json", "tokenizer.json", "tokenizer_config.json"})
     config = AutoConfig.from_pretrained(str(converted))
     assert config.model_type == "needle2" and config.architectures == ["NeedleForCausalLM"]
     assert json.loads((converted / "config.json").read_text())["dtype"] == "float32"
