@@ -459,8 +459,13 @@ class NeedlePaddingCollator:
         self.pad_to_multiple_of = int(pad_to_multiple_of)
 
     def __call__(self, rows: list[dict]) -> dict:
+        return self.pad(self.checked_rows(rows))
+
+    def checked_rows(self, rows: list[dict]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Each row's ``(input_ids, labels)`` as int64 arrays [T]; a bad row raises `FinetuneDataError` naming it."""
         if not rows:
             raise FinetuneDataError("rows: expected at least one row to collate, found none")
+        checked = []
         for index, row in enumerate(rows):
             if not isinstance(row, dict) or "input_ids" not in row or "labels" not in row:
                 raise FinetuneDataError(f"rows[{index}]: expected a dict with 'input_ids' and 'labels', "
@@ -473,19 +478,27 @@ class NeedlePaddingCollator:
             if sizes[0] != sizes[1]:
                 raise FinetuneDataError(f"rows[{index}]: 'labels' has {len(row['labels'])} entries, expected one per "
                                         f"input id ({len(row['input_ids'])})")
-        longest = max(len(row["input_ids"]) for row in rows)
+            try:
+                ids = np.empty(sizes[0], np.int64)
+                labels = np.empty(sizes[1], np.int64)
+                ids[:] = row["input_ids"]
+                labels[:] = row["labels"]
+            except (TypeError, ValueError, OverflowError) as error:
+                raise FinetuneDataError(f"rows[{index}]: expected 'input_ids' and 'labels' as lists of ints ({error})") from None
+            checked.append((ids, labels))
+        return checked
+
+    def pad(self, rows: list[tuple[np.ndarray, np.ndarray]]) -> dict:
+        """The batch of `checked_rows`' ``(input_ids, labels)`` pairs, padded on the right."""
+        longest = max(len(ids) for ids, _ in rows)
         length = -(-longest // self.pad_to_multiple_of) * self.pad_to_multiple_of
         ids = np.full((len(rows), length), self.pad_token_id, np.int64)
         labels = np.full((len(rows), length), IGNORE_INDEX, np.int64)
         attention = np.zeros((len(rows), length), np.int64)
-        for index, row in enumerate(rows):
-            size = len(row["input_ids"])
-            try:
-                ids[index, :size] = row["input_ids"]
-                labels[index, :size] = row["labels"]
-            except (TypeError, ValueError, OverflowError) as error:
-                raise FinetuneDataError(f"rows[{index}]: expected 'input_ids' and 'labels' as lists of ints ({error})") from None
-            attention[index, :size] = 1
+        for index, (row_ids, row_labels) in enumerate(rows):
+            ids[index, : len(row_ids)] = row_ids
+            labels[index, : len(row_ids)] = row_labels
+            attention[index, : len(row_ids)] = 1
         batch = {"input_ids": ids, "attention_mask": attention, "labels": labels}
         if self.return_tensors == "np":
             return batch

@@ -25,6 +25,7 @@ import random
 from collections.abc import Hashable, Sequence
 from typing import Iterator
 
+import numpy as np
 import torch
 
 from ..models.needle.cache_needle import CACHE_OUTPUT_FIELD
@@ -105,24 +106,21 @@ class SharedPrefixCollator:
         self.padding = NeedlePaddingCollator(pad_token_id=pad_token_id)
 
     def __call__(self, rows: list[dict]) -> dict:
-        self.padding(rows)  # checks the rows (names the bad one) before they are cut
-        ids = [list(row["input_ids"]) for row in rows]
-        first = ids[0]
-        limit = min(len(row) for row in ids) - 1
-        for row in rows:
-            targets = [index for index, label in enumerate(row["labels"]) if label != IGNORE_INDEX]
-            if targets:
-                limit = min(limit, targets[0] - 1)
-        length = 0
-        while length < limit and all(row[length] == first[length] for row in ids):
-            length += 1
-        if length == 0:
-            return self.padding(rows)
-        batch = self.padding([{"input_ids": row["input_ids"][length:], "labels": row["labels"][length:]}
-                              for row in rows])
-        batch["prefix_ids"] = torch.tensor([first[:length]], dtype=torch.long)
+        checked = self.padding.checked_rows(rows)
+        first = checked[0][0]
+        limit = min(len(ids) for ids, _ in checked) - 1
+        for _, labels in checked:
+            targets = np.flatnonzero(labels != IGNORE_INDEX)
+            if len(targets):
+                limit = min(limit, int(targets[0]) - 1)
+        differs = np.zeros(max(limit, 0), bool)
+        for ids, _ in checked[1:]:
+            differs |= ids[:limit] != first[:limit]
+        length = int(np.argmax(differs)) if differs.any() else max(limit, 0)
+        batch = self.padding.pad([(ids[length:], labels[length:]) for ids, labels in checked])
+        if length:
+            batch["prefix_ids"] = torch.from_numpy(first[None, :length].copy())
         return batch
-
 
 def shared_prefix_forward(model, *, prefix_ids: torch.Tensor, input_ids: torch.Tensor,
                           attention_mask: torch.Tensor):
