@@ -1,8 +1,9 @@
 """Strict loading of PyTorch Needle 2 checkpoints: every tensor the config names, no other, each of
 its shape, and the tied output head equal to the token embedding (`NeedleWeightsError` otherwise).
 
-A checkpoint's ``model.safetensors`` is checked before anything else by the checker the Flax model
-uses (`weight_names.check_weights`), so both twins word a damaged file alike; transformers' own
+Once transformers has built the model (its config says which tensors to expect), the checkpoint's
+``model.safetensors`` is checked, before transformers' loading report is read, by the checker the
+Flax model uses (`weight_names.check_weights`), so both twins word a damaged file alike; the
 loading report (`raise_unless_exact`) covers what that file check cannot see (other formats,
 shards, a tied head transformers unties).
 """
