@@ -144,6 +144,27 @@ def test_the_shipped_model_gives_the_recorded_suite_figures(tmp_path):
     assert bool(verdict) == recorded["suite_passes"]
 
 
+def test_needle_hf_eval_suites_runs_on_the_shipped_weights_folder(tmp_path, capsys):
+    """`needle-hf eval suites needle_hf/demo/smart_home_weights` on the folder as a clean clone has it
+    (config, weights and the fetched `tokenizer.model`, no converted tokenizer) prints the table with
+    the recorded figures; the folder is left as it was."""
+    from needle_hf.cli import main as needle_hf_main
+    from needle_hf.evaluation.command import SUITE_FAILED
+
+    _suite()
+    recorded = json.loads(RESULTS.read_text())["suites"]["smart_home"]
+    before = sorted(path.name for path in MODEL_DIR.iterdir())
+    report = tmp_path / "smart_home.json"
+    status = needle_hf_main(["eval", "suites", str(MODEL_DIR), "--suite", "smart_home", "--report", str(report)])
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| smart_home |"))
+    assert row.startswith(f"| smart_home | {recorded['passed']}/{recorded['cases']} |")
+    assert status == (0 if recorded["suite_passes"] else SUITE_FAILED)
+    written = json.loads(report.read_text())["suites"][0]
+    assert {category: {"passed": entry["passed"], "cases": entry["total"]}
+            for category, entry in written["categories"].items()} == recorded["per_category"]
+    assert sorted(path.name for path in MODEL_DIR.iterdir()) == before
+
+
 def test_the_shipped_model_builds_a_cact(tmp_path):
     from needle_hf.cli import main as needle_hf_main
     from needle_hf.demo.smart_home_model import tokenizer_path

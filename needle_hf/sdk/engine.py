@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import tempfile
 import time
+from pathlib import Path
 from typing import Optional, Sequence
 
 import numpy as np
@@ -413,14 +415,37 @@ def _confidence_head_of_cells(module, cells, keep):
     return module.confidence_head(cells, keep)
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def folder_tokenizer(source: str, *, max_positions: int):
+    """The tokenizer of the folder or Hub id ``source``: `AutoTokenizer.from_pretrained`, or, for a local
+    folder whose only tokenizer file is a SentencePiece ``tokenizer.model`` (how the reference ships its
+    tokenizer, and the smart-home demo's weights folder), the fast tokenizer built from that file, as
+    a folder written by the converter would load it (``max_positions`` tokens at most)."""
+    from transformers import AutoTokenizer
+
+    folder = Path(source)
+    if folder.is_dir() and not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        if not (folder / "tokenizer.model").is_file():
+            raise ValueError(f"{folder}: no tokenizer: expected {' + '.join(TOKENIZER_FILES)} or a SentencePiece "
+                             f"tokenizer.model, found neither; pass tokenizer=")
+        from ..models.needle.tokenization_needle import build_fast_tokenizer, save_fast_tokenizer
+
+        built = build_fast_tokenizer(str(folder / "tokenizer.model"), model_max_length=max_positions)
+        with tempfile.TemporaryDirectory() as written:  # the saved form picks the class AutoTokenizer gives
+            save_fast_tokenizer(built, written)
+            return AutoTokenizer.from_pretrained(written)
+    return AutoTokenizer.from_pretrained(source)
+
+
 def load_backend(model, *, framework: Optional[str] = None, tokenizer=None, grammar: bool = True,
                  compile: bool = False, device=None, cpu_threads: int = 1):
     """A backend for ``model``: a folder, a Hub id, or a loaded `NeedleForCausalLM` / `FlaxNeedleForCausalLM`.
 
     Args:
         framework: "pt" or "flax"; None: "pt" for a name, the model's own for a loaded model.
-        tokenizer: default: `AutoTokenizer.from_pretrained` of the folder (of a loaded model's
-            ``name_or_path``).
+        tokenizer: default: the folder's (of a loaded model's ``name_or_path``), `folder_tokenizer`.
         grammar: constrain answers with `needle_hf.generation.grammar` (when llguidance is installed).
         compile: PyTorch only: decode with a static cache and compiled layer programs (README, "Fast
             decoding"); the first call compiles.
@@ -430,8 +455,6 @@ def load_backend(model, *, framework: Optional[str] = None, tokenizer=None, gram
             threads each waits for every thread to be scheduled, which on a busy machine made the
             whole call 5-10x slower than one thread (benchmarks/README.md).
     """
-    from transformers import AutoTokenizer
-
     import needle_hf  # noqa: F401  (registers the Auto classes)
 
     if framework is not None and framework not in FRAMEWORKS:
@@ -469,7 +492,7 @@ def load_backend(model, *, framework: Optional[str] = None, tokenizer=None, gram
     if tokenizer is None:
         if not source:
             raise ValueError("tokenizer: the model has no folder to read its tokenizer from; pass tokenizer=")
-        tokenizer = AutoTokenizer.from_pretrained(source)
+        tokenizer = folder_tokenizer(source, max_positions=model.config.max_position_embeddings)
     if framework == "pt":
         return TorchBackend(model, tokenizer, grammar=grammar, compile=compile, cpu_threads=cpu_threads)
     if compile:
@@ -477,4 +500,4 @@ def load_backend(model, *, framework: Optional[str] = None, tokenizer=None, gram
     return FlaxBackend(model, tokenizer, grammar=grammar)
 
 
-__all__ = ["FRAMEWORKS", "FlaxBackend", "Generation", "TorchBackend", "load_backend"]
+__all__ = ["FRAMEWORKS", "FlaxBackend", "Generation", "TorchBackend", "folder_tokenizer", "load_backend"]

@@ -416,3 +416,24 @@ def test_bad_arguments_get_clear_errors(folder):
         needle_hf.Needle(folder, top_k_tools=0)
     with pytest.raises(ValueError, match="cpu_threads: expected a positive int"):
         needle_hf.Needle(folder, cpu_threads=0)
+
+
+def test_a_folder_with_only_a_sentencepiece_model_gets_its_tokenizer_built(folder, envelopes, tmp_path):
+    """The reference's way of shipping a tokenizer (one `tokenizer.model`): the SDK builds the fast
+    tokenizer from it and answers as the converted folder does; no tokenizer at all is a clear error."""
+    import shutil
+
+    bare = tmp_path / "weights-and-sentencepiece"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copyfile(f"{folder}/{name}", bare / name)
+    with pytest.raises(ValueError, match=r"weights-and-sentencepiece: no tokenizer: expected tokenizer.json \+ "
+                                         r"tokenizer_config.json or a SentencePiece tokenizer.model, found neither"):
+        needle_hf.Needle(str(bare), tools=DEMO_FUNCTIONS)
+    shutil.copyfile(DEMO_TOKENIZER, bare / "tokenizer.model")
+    agent = needle_hf.Needle(str(bare), tools=DEMO_FUNCTIONS)
+    for query, converted in zip(QUERIES, envelopes["pt"]):
+        agent.reset()
+        envelope = agent.complete(query, MAX_NEW_TOKENS)
+        assert (envelope["function_calls"], envelope["reasoning"]) == (converted["function_calls"], converted["reasoning"])
+        assert envelope["confidence"] == pytest.approx(converted["confidence"], abs=1e-6)
