@@ -157,7 +157,9 @@ SPLIT_VERBS = {"on": (("turn", "on"), ("switch", "on"), ("put", "on")),
 DIM_TEMPLATES = ("dim the {room} lights to {n}%", "dim the lights in the {room} to {n} percent",
                  "bring the {room} lights down to {n} percent", "lower the {room} lighting to {n}%",
                  "set the {room} lights to {n} percent brightness", "{room} lights at {n} percent",
-                 "turn the {room} lights down to {n}%", "make the {room} lights {n} percent bright")
+                 "turn the {room} lights down to {n}%", "make the {room} lights {n} percent bright",
+                 "set the {room} brightness to {n} percent", "put the {room} lights at {n}%",
+                 "{room} brightness {n} percent", "lights in the {room} at {n} percent")
 COLOR_TEMPLATES = ("make the {room} lights {color}", "set the {room} lights to {color}",
                    "change the lights in the {room} to {color}", "switch the {room} lights to {color}",
                    "{color} lights in the {room}", "turn the {room} lamps {color}",
@@ -167,21 +169,38 @@ THERMOSTAT_TEMPLATES = ("set the temperature to {n}", "put the heating at {n} de
                         "bring the temperature down to {n} degrees", "adjust the thermostat to {n} celsius",
                         "I want it {n} degrees inside", "raise the heat to {n}", "drop the thermostat to {n} degrees",
                         "keep the house at {n} degrees", "set the heat to {n} c")
-FAN_ON_TEMPLATES = ("switch on the fan in the {room}", "turn the {room} fan on", "start the fan in the {room}",
-                    "get the {room} fan going", "put the {room} fan on")
-FAN_OFF_TEMPLATES = ("switch off the fan in the {room}", "turn the {room} fan off", "stop the fan in the {room}",
-                     "shut the {room} fan off", "kill the {room} fan")
+# Fan and blinds: every verb meets every word order, so the order never tells the direction.
+FAN_VERBS = {"on": ("switch on", "start", "put on", "power up", "start up"),
+             "off": ("switch off", "turn off", "stop", "shut off", "kill", "power down")}
+FAN_FORMS = ("{verb} the fan in the {room}", "{verb} the {room} fan", "{verb} the ceiling fan in the {room}")
+FAN_SPLIT_TEMPLATES = ("turn the {room} fan {kind}", "flip the {room} fan {kind}", "put the {room} fan {kind}",
+                       "switch the fan in the {room} {kind}", "{room} fan {kind}")
 FAN_SPEED_TEMPLATES = ("turn the {room} fan on {speed}", "set the fan in the {room} to {speed}",
                        "start the {room} fan at {speed} speed", "{room} fan on {speed} speed",
-                       "run the fan in the {room} at {speed}", "switch on the {room} fan on {speed}")
-BLIND_OPEN_TEMPLATES = ("raise the {room} blinds", "pull up the {room} blinds", "open the blinds in the {room}",
-                        "let some light into the {room}, open the blinds", "{room} blinds up", "roll up the {room} blinds")
-BLIND_CLOSE_TEMPLATES = ("lower the {room} blinds", "pull down the {room} blinds", "shut the {room} blinds",
-                         "draw the blinds in the {room}", "{room} blinds down", "close the {room} blinds")
+                       "run the fan in the {room} at {speed}", "switch on the {room} fan on {speed}",
+                       "put the ceiling fan in the {room} on {speed}", "{speed} speed for the {room} fan")
+BLIND_VERBS = {"open": ("raise", "pull up", "roll up", "lift"),
+               "close": ("lower", "pull down", "roll down", "shut", "draw")}
+BLIND_FORMS = ("{verb} the {room} blinds", "{verb} the blinds in the {room}", "{verb} the blinds of the {room}",
+               "{verb} the {room} window blinds", "{verb} all the blinds in the {room}")
+# The plain verbs, each in word orders the other direction also uses.
+BLIND_PLAIN_TEMPLATES = {"open": ("open the blinds in the {room}", "open the blinds of the {room}",
+                                  "open the {room} window blinds",
+                                  "let some light into the {room}, open the blinds"),
+                         "close": ("close the {room} blinds", "close the {room} window blinds",
+                                   "keep the light out of the {room}, close the blinds")}
+BLIND_SHORT_TEMPLATES = {"open": ("{room} blinds up", "{room} blinds open", "blinds up in the {room}"),
+                         "close": ("{room} blinds down", "{room} blinds closed", "blinds down in the {room}")}
 VACUUM_START_TEMPLATES = ("run the robot vacuum", "get the vacuum going", "start a cleaning run",
                           "send the robot vacuum out", "begin vacuuming", "kick off the vacuum")
+# A room named anywhere in a vacuum request goes into the call.
 VACUUM_ROOM_TEMPLATES = ("vacuum the {room}", "send the vacuum to clean the {room}", "run the robot vacuum in the {room}",
-                         "clean the {room} with the robot vacuum", "have the vacuum do the {room}")
+                         "clean the {room} with the robot vacuum", "have the vacuum do the {room}",
+                         "begin vacuuming the {room}", "get the vacuum cleaning the {room}",
+                         "start the robot vacuum in the {room}", "start a cleaning run in the {room}",
+                         "kick off vacuuming in the {room}", "do some vacuuming in the {room}",
+                         "get the {room} vacuumed", "run a vacuum through the {room}",
+                         "the {room} needs vacuuming, start the robot")
 VACUUM_STOP_TEMPLATES = ("stop vacuuming", "halt the robot vacuum", "pause the vacuum", "make the vacuum stop",
                          "turn the robot vacuum off")
 VACUUM_DOCK_TEMPLATES = ("send the vacuum back to its dock", "dock the robot vacuum", "return the vacuum to the charger",
@@ -207,6 +226,13 @@ IRRELEVANT_TEMPLATES = ("lock the front door", "unlock the garage door", "play s
                         "tell me a joke", "turn up the volume", "book a table for 2", "brew some coffee",
                         "are the {room} blinds open", "turn on the hot tub", "feed the cat",
                         "switch on the kettle", "empty the vacuum bin")
+# Questions about a device's state: the tools only act, so no call.
+STATE_QUESTION_FRAMES = ("check whether {state}", "tell me if {state}", "see if {state}", "find out whether {state}",
+                         "let me know if {state}", "can you check if {state}", "i wonder if {state}")
+STATES = ("the vacuum is docked", "the robot vacuum is still cleaning", "the vacuum battery is low",
+          "the vacuum is on its charger", "the vacuum has finished the {room}", "the {room} lights are on",
+          "the {room} blinds are open", "the {room} blinds are down", "the {fan_room} fan is running",
+          "the heating is on", "the thermostat is above {n} degrees", "the {fan_room} fan is on high")
 NEGATION_TEMPLATES = ("don't {action}", "do not {action}", "never {action}", "no need to {action}",
                       "please don't {action}", "just don't {action}", "do not {action} tonight",
                       "don't {action} yet", "never {action} when i'm asleep", "no need to {action} today")
@@ -226,6 +252,8 @@ INVALID_TEMPLATES = (
     ("turn the kitchen fan on", "bad_room"),
     ("vacuum the study", "bad_room"),
     ("run the robot vacuum in the {other_room}", "bad_room"),
+    ("begin vacuuming the study", "bad_room"),
+    ("start the robot vacuum in the {other_room}", "bad_room"),
     ("make the {room} lights {other_color}", "bad_color"),
     ("set the lights in the {room} to {other_color}", "bad_color"),
 )
@@ -262,7 +290,7 @@ def _positive_core(rng: random.Random, *, tool_name: Optional[str] = None) -> tu
     name = tool_name or rng.choice([tool["name"] for tool in SMART_HOME_TOOLS])
     if name == "control_lights":
         room = rng.choice(ROOMS)
-        kind = rng.choice(("on", "off", "on", "off", "dim", "color"))
+        kind = rng.choice(("on", "off", "on", "off", "dim", "dim", "color"))
         if kind in ("on", "off"):
             if rng.random() < 0.35:
                 v1, v2 = rng.choice(SPLIT_VERBS[kind])
@@ -288,14 +316,21 @@ def _positive_core(rng: random.Random, *, tool_name: Optional[str] = None) -> tu
             speed = rng.choice(SPEEDS)
             return rng.choice(FAN_SPEED_TEMPLATES).format(room=_room_text(room, rng), speed=speed), _call(
                 name, room=room, action="on", speed=speed)
-        templates = FAN_ON_TEMPLATES if kind == "on" else FAN_OFF_TEMPLATES
-        return rng.choice(templates).format(room=_room_text(room, rng)), _call(name, room=room, action=kind)
+        if rng.random() < 0.3:
+            core = rng.choice(FAN_SPLIT_TEMPLATES).format(room=_room_text(room, rng), kind=kind)
+        else:
+            core = rng.choice(FAN_FORMS).format(verb=rng.choice(FAN_VERBS[kind]), room=_room_text(room, rng))
+        return core, _call(name, room=room, action=kind)
     if name == "control_blinds":
-        room = rng.choice(ROOMS)
-        action = rng.choice(("open", "close"))
-        templates = BLIND_OPEN_TEMPLATES if action == "open" else BLIND_CLOSE_TEMPLATES
-        return rng.choice(templates).format(room=_room_text(room, rng)), _call(name, room=room, action=action)
-    kind = rng.choice(("start", "start_room", "start_room", "stop", "dock"))
+        room, action = rng.choice(ROOMS), rng.choice(("open", "close"))
+        kind = rng.random()
+        if kind < 0.55:
+            core = rng.choice(BLIND_FORMS).format(verb=rng.choice(BLIND_VERBS[action]), room=_room_text(room, rng))
+        else:
+            templates = BLIND_PLAIN_TEMPLATES if kind < 0.85 else BLIND_SHORT_TEMPLATES
+            core = rng.choice(templates[action]).format(room=_room_text(room, rng))
+        return core, _call(name, room=room, action=action)
+    kind = rng.choice(("start", "start_room", "start_room", "start_room", "stop", "dock"))
     if kind == "start_room":
         room = rng.choice(VACUUM_ROOMS)
         return rng.choice(VACUUM_ROOM_TEMPLATES).format(room=_room_text(room, rng)), _call(
@@ -326,7 +361,10 @@ def make_example(category: str, rng: random.Random) -> dict:
     if category == "missing":
         core = rng.choice(MISSING_TEMPLATES).format(**slots)
     elif category == "irrelevant":
-        core = rng.choice(IRRELEVANT_TEMPLATES).format(**slots)
+        if rng.random() < 0.3:
+            core = rng.choice(STATE_QUESTION_FRAMES).format(state=rng.choice(STATES).format(**slots))
+        else:
+            core = rng.choice(IRRELEVANT_TEMPLATES).format(**slots)
     elif category == "negation":
         action = rng.choice(NEGATION_ACTIONS).format(**slots)
         core = rng.choice(NEGATION_TEMPLATES).format(action=action)
