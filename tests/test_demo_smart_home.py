@@ -165,6 +165,30 @@ def test_needle_hf_eval_suites_runs_on_the_shipped_weights_folder(tmp_path, caps
     assert sorted(path.name for path in MODEL_DIR.iterdir()) == before
 
 
+def test_the_readme_and_the_demo_page_give_the_recorded_figures():
+    """README's table and docs/demo.md's tables are the results JSON's figures, category by category."""
+    recorded = json.loads(RESULTS.read_text())
+    suite, held_out = recorded["suites"]["smart_home"], recorded["held_out"]
+    critical = int(suite["harness_summary"].split(" passed, ")[1].split(" critical")[0])
+    readme = (MODEL_DIR.parents[2] / "README.md").read_text(encoding="utf-8")
+    demo_page = (MODEL_DIR.parents[2] / "docs" / "demo.md").read_text(encoding="utf-8")
+    order = re.search(r"\| set \| passed \| (.*) \|\n", readme).group(1).split(" | ")
+    assert sorted(order) == sorted(CATEGORIES)
+
+    def cells(figures):
+        return " | ".join(f"{figures[c]['passed']}/{figures[c]['cases']}" for c in order)
+
+    failures = f", {critical} critical failure{'s' if critical != 1 else ''}" if critical else ", no critical failure"
+    assert (f"| smart_home suite | {suite['passed']}/{suite['cases']}{failures} | {cells(suite['per_category'])} |"
+            in readme)
+    assert f"| held-out | {held_out['passed']}/{held_out['cases']} | {cells(held_out['per_category'])} |" in readme
+    page_order = re.search(r"\| suite \| passed \| passes \| (.*) \|\n", demo_page).group(1).split(" | ")
+    for name, figures in recorded["suites"].items():
+        row = " | ".join(f"{figures['per_category'][c]['passed']}/{figures['per_category'][c]['cases']}" for c in page_order)
+        passes = "yes" if figures["suite_passes"] else "no"
+        assert f"| {name} | {figures['passed']}/{figures['cases']} | {passes} | {row} |" in demo_page
+
+
 def test_the_shipped_model_builds_a_cact(tmp_path):
     from needle_hf.cli import main as needle_hf_main
     from needle_hf.demo.smart_home_model import tokenizer_path
