@@ -113,14 +113,16 @@ class SharedPrefixCollator:
             targets = np.flatnonzero(labels != IGNORE_INDEX)
             if len(targets):
                 limit = min(limit, int(targets[0]) - 1)
-        differs = np.zeros(max(limit, 0), bool)
+        limit = max(limit, 0)  # a row labelled from its first token (or an empty row) leaves no prefix to cut
+        differs = np.zeros(limit, bool)
         for ids, _ in checked[1:]:
             differs |= ids[:limit] != first[:limit]
-        length = int(np.argmax(differs)) if differs.any() else max(limit, 0)
+        length = int(np.argmax(differs)) if differs.any() else limit
         batch = self.padding.pad([(ids[length:], labels[length:]) for ids, labels in checked])
         if length:
             batch["prefix_ids"] = torch.from_numpy(first[None, :length].copy())
         return batch
+
 
 def shared_prefix_forward(model, *, prefix_ids: torch.Tensor, input_ids: torch.Tensor,
                           attention_mask: torch.Tensor):

@@ -98,6 +98,12 @@ def test_collator_cuts_only_the_common_prefix_and_falls_back_without_one():
                  {"input_ids": [4, 2, 3], "labels": [IGNORE_INDEX, 2, 3]}]
     batch = SharedPrefixCollator(pad_token_id=PAD)(unrelated)
     assert "prefix_ids" not in batch and batch["input_ids"].tolist() == [[1, 2, 3], [4, 2, 3]]
+    # Labelled from the first token (plain language modelling): nothing before it to cut.
+    whole = [{"input_ids": [5, 6, 7, 8], "labels": [5, 6, 7, 8]},
+             {"input_ids": [5, 6, 9], "labels": [IGNORE_INDEX, 6, 9]}]
+    batch = SharedPrefixCollator(pad_token_id=PAD)(whole)
+    assert "prefix_ids" not in batch
+    assert batch["input_ids"].tolist() == NeedlePaddingCollator(pad_token_id=PAD)(whole)["input_ids"].tolist()
     with pytest.raises(FinetuneDataError, match=r"rows\[1\]"):
         SharedPrefixCollator(pad_token_id=PAD)([unrelated[0], {"input_ids": [1, 2], "labels": [1]}])
 
