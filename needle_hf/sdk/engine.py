@@ -19,8 +19,8 @@ the prompt again. With ``compile=True`` the same loop over a static cache, its s
 model's compiled layer programs. Flax: a loop of two compiled functions, the prefill and one cached decoding step, with
 the grammar's mask applied on the host between steps, the confidence head read off the steps' cells
 as on PyTorch.
-Prompts are left-padded to a multiple of 64 tokens and the cache to one of 256 on Flax, so a
-conversation compiles few shapes.
+Prompts are left-padded to a multiple of 64 tokens on Flax, and the caches of compiled steps (Flax,
+PyTorch with ``compile=True``) to one of 256, so a conversation compiles few shapes.
 """
 
 from __future__ import annotations
@@ -35,8 +35,14 @@ from typing import Optional, Sequence
 import numpy as np
 
 FRAMEWORKS = ("pt", "flax")
-_FLAX_BUCKET = 64
-_STATIC_CACHE_BUCKET = 256
+# Shapes are rounded up so that a conversation compiles few programs: Flax prompts to a multiple of
+# _PROMPT_BUCKET tokens, caches of compiled steps (Flax, PyTorch with compile=True) to one of _CACHE_BUCKET.
+_PROMPT_BUCKET = 64
+_CACHE_BUCKET = 256
+
+
+def _rounded_up(count: int, multiple: int) -> int:
+    return -(-count // multiple) * multiple
 
 
 @dataclasses.dataclass
@@ -143,7 +149,7 @@ class TorchBackend(_Backend):
         the answer, so the prompt is not run a second time.
 
         With ``compile``: a static cache, its length rounded up to a multiple of
-        `_STATIC_CACHE_BUCKET` (the step programs compile once per cache length), and every step after
+        `_CACHE_BUCKET` (the step programs compile once per cache length), and every step after
         the prompt through the model's compiled decoding call (`get_compiled_call`, as `generate()`
         with a static cache and a compile config runs it)."""
         import torch
@@ -162,8 +168,8 @@ class TorchBackend(_Backend):
         positions.masked_fill_(attention == 0, 1)
         step_forward = self.model
         if self.compile:
-            length = -(-(width + max_new_tokens) // _STATIC_CACHE_BUCKET) * _STATIC_CACHE_BUCKET
-            length = max(width + max_new_tokens, min(length, self.max_positions))
+            length = max(width + max_new_tokens, min(_rounded_up(width + max_new_tokens, _CACHE_BUCKET),
+                                                     self.max_positions))
             cache = StaticCache(config=self.config, max_cache_len=length)
             step_forward = self.model.get_compiled_call(CompileConfig(fullgraph=True, dynamic=False, mode="default"))
         else:
@@ -319,7 +325,7 @@ class FlaxBackend(_Backend):
         return self._empty[1]
 
     def _padded_to_bucket(self, rows):
-        width = -(-max(len(r) for r in rows) // _FLAX_BUCKET) * _FLAX_BUCKET
+        width = _rounded_up(max(len(r) for r in rows), _PROMPT_BUCKET)
         return self._left_padded(rows, width)
 
     def generate(self, rows, *, max_new_tokens: int, tools=None) -> list[Generation]:
@@ -330,7 +336,7 @@ class FlaxBackend(_Backend):
         ids, mask = self._padded_to_bucket(rows)
         batch, width = ids.shape
         # The cache length is rounded up too: the decoding step compiles once per cache length.
-        total = -(-(width + max_new_tokens) // (4 * _FLAX_BUCKET)) * (4 * _FLAX_BUCKET)
+        total = _rounded_up(width + max_new_tokens, _CACHE_BUCKET)
         processor = self._processor(tools)
         cache = self._empty_cache(batch, total)
         full_mask = np.ones((batch, total), dtype=np.int32)
