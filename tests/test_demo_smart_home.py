@@ -7,6 +7,7 @@ import difflib
 import json
 import os
 import re
+from pathlib import Path
 
 import pytest
 
@@ -19,6 +20,7 @@ from needle_hf.finetune.data import conversations_dataset
 os.environ.setdefault("NEEDLE_TELEMETRY", "0")  # the reference's suites import its SDK
 os.environ.setdefault("DO_NOT_TRACK", "1")
 
+REPO = Path(__file__).resolve().parent.parent
 RESULTS = MODEL_DIR.parent / "smart_home_results.json"
 SAMPLE = 6000  # examples per seed checked against the suite's queries
 
@@ -170,8 +172,8 @@ def test_the_readme_and_the_demo_page_give_the_recorded_figures():
     recorded = json.loads(RESULTS.read_text())
     suite, held_out = recorded["suites"]["smart_home"], recorded["held_out"]
     critical = int(suite["harness_summary"].split(" passed, ")[1].split(" critical")[0])
-    readme = (MODEL_DIR.parents[2] / "README.md").read_text(encoding="utf-8")
-    demo_page = (MODEL_DIR.parents[2] / "docs" / "demo.md").read_text(encoding="utf-8")
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    demo_page = (REPO / "docs" / "demo.md").read_text(encoding="utf-8")
     order = re.search(r"\| set \| passed \| (.*) \|\n", readme).group(1).split(" | ")
     assert sorted(order) == sorted(CATEGORIES)
 
