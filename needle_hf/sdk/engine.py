@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import tempfile
 import time
 from pathlib import Path
 from typing import Optional, Sequence
@@ -425,10 +424,12 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
 def folder_tokenizer(source: str, *, max_positions: int):
-    """The tokenizer of the folder or Hub id ``source``: `AutoTokenizer.from_pretrained`, or, for a local
-    folder whose only tokenizer file is a SentencePiece ``tokenizer.model`` (how the reference ships its
-    tokenizer, and the smart-home demo's weights folder), the fast tokenizer built from that file, as
-    a folder written by the converter would load it (``max_positions`` tokens at most)."""
+    """The tokenizer of the folder or Hub id ``source`` (`AutoTokenizer.from_pretrained`).
+
+    A local folder whose only tokenizer file is a SentencePiece ``tokenizer.model`` (how the reference
+    ships its tokenizer, and the smart-home demo's weights folder) loads as `NeedleTokenizerFast`,
+    built from that file, ``max_positions`` tokens at most; a folder with no tokenizer at all is refused.
+    """
     from transformers import AutoTokenizer
 
     folder = Path(source)
@@ -436,12 +437,7 @@ def folder_tokenizer(source: str, *, max_positions: int):
         if not (folder / "tokenizer.model").is_file():
             raise ValueError(f"{folder}: no tokenizer: expected {' + '.join(TOKENIZER_FILES)} or a SentencePiece "
                              f"tokenizer.model, found neither; pass tokenizer=")
-        from ..models.needle.tokenization_needle import build_fast_tokenizer, save_fast_tokenizer
-
-        built = build_fast_tokenizer(str(folder / "tokenizer.model"), model_max_length=max_positions)
-        with tempfile.TemporaryDirectory() as written:  # the saved form picks the class AutoTokenizer gives
-            save_fast_tokenizer(built, written)
-            return AutoTokenizer.from_pretrained(written)
+        return AutoTokenizer.from_pretrained(source, model_max_length=max_positions)
     return AutoTokenizer.from_pretrained(source)
 
 

@@ -348,6 +348,31 @@ def test_folders_that_name_the_needle_class_still_load_with_needle_hf(tmp_path, 
     assert type(AutoTokenizer.from_pretrained(tmp_path)) is NeedleTokenizerFast
 
 
+def test_a_folder_with_only_the_sentencepiece_model_loads_through_auto_tokenizer(tmp_path, needle_spm_model,
+                                                                                 sentencepiece_model, fast_tokenizer):
+    """How the reference ships a tokenizer: a Needle config beside one `tokenizer.model`, no tokenizer.json."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from needle_hf.models.needle.configuration_needle import NeedleConfig
+    from needle_hf.models.needle.tokenization_needle_fast import NeedleTokenizerFast
+
+    NeedleConfig(vocab_size=FIXTURE_VOCAB_SIZE).save_pretrained(tmp_path)
+    shutil.copyfile(needle_spm_model, tmp_path / "tokenizer.model")
+    loaded = AutoTokenizer.from_pretrained(tmp_path, model_max_length=2048)
+    assert type(loaded) is NeedleTokenizerFast
+    texts = list(VARIED_TEXTS.values())
+    assert loaded(texts)["input_ids"] == [reference_ids(sentencepiece_model, text) for text in texts]
+    messages = [{"role": "user", "content": "lights on, 40%"}]
+    assert (loaded.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            == fast_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
+    assert (loaded.padding_side, loaded.model_max_length, loaded.response_template) == (
+        "left", 2048, fast_tokenizer.response_template)
+    assert loaded.decode(loaded("a  b\n<think><|im_end|>")["input_ids"], skip_special_tokens=True) == "a  b\n<think>"
+    assert not any((tmp_path / name).exists() for name in ("tokenizer.json", "tokenizer_config.json"))  # nothing written
+
+
 def test_check_vocab_matches_names_both_sizes(fast_tokenizer):
     check_vocab_matches(fast_tokenizer, FIXTURE_VOCAB_SIZE)
     with pytest.raises(TokenizerVocabMismatchError, match=rf"{FIXTURE_VOCAB_SIZE} ids .* vocab_size 8192"):

@@ -387,12 +387,25 @@ def build_fast_tokenizer(source, *, model_max_length=None, chat_template=NEEDLE_
     """
     from .tokenization_needle_fast import NeedleTokenizerFast
 
+    tokenizer_object, settings = sentencepiece_tokenizer_settings(source, chat_template=chat_template)
+    extra = {} if model_max_length is None else {"model_max_length": int(model_max_length)}
+    tokenizer = NeedleTokenizerFast(tokenizer_object=tokenizer_object, **settings, **extra)
+    # An attribute on 4.57 too (where nothing reads it), so both versions save and compare the same tokenizer.
+    tokenizer.response_template = RESPONSE_TEMPLATE
+    return tokenizer
+
+
+def sentencepiece_tokenizer_settings(source, *, chat_template=NEEDLE_CHAT_TEMPLATE):
+    """(the `tokenizers.Tokenizer`, the fast tokenizer's keyword settings) built from a Needle vocabulary.
+
+    Args:
+        source: as `build_fast_tokenizer`'s.
+        chat_template: as `build_fast_tokenizer`'s.
+    """
     table = _as_piece_table(source)
     if chat_template == NEEDLE_CHAT_TEMPLATE:
         _check_prompt_target_boundary(table)
-    extra = {} if model_max_length is None else {"model_max_length": int(model_max_length)}
-    tokenizer = NeedleTokenizerFast(
-        tokenizer_object=NeedleTokenizerConverter(table).converted(),
+    settings = dict(
         bos_token=table.pieces[table.bos_id],
         eos_token=table.pieces[table.eos_id],
         unk_token=table.pieces[table.unk_id],
@@ -403,11 +416,8 @@ def build_fast_tokenizer(source, *, model_max_length=None, chat_template=NEEDLE_
         # generation with a decoder-only model wants the padding on the left.
         model_input_names=["input_ids", "attention_mask"],
         padding_side="left",
-        **extra,
     )
-    # An attribute on 4.57 too (where nothing reads it), so both versions save and compare the same tokenizer.
-    tokenizer.response_template = RESPONSE_TEMPLATE
-    return tokenizer
+    return NeedleTokenizerConverter(table).converted(), settings
 
 
 def save_fast_tokenizer(tokenizer, save_directory):

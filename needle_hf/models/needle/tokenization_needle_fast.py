@@ -20,11 +20,17 @@ decode keeps.
 
 Saved folders name the plain `PreTrainedTokenizerFast` (no remote code for tools that only
 tokenize); load this class with `NeedleTokenizerFast.from_pretrained(folder)` after importing needle_hf.
+
+A folder whose only tokenizer file is the SentencePiece `tokenizer.model` (how the reference ships
+its tokenizer) loads too: `AutoTokenizer` maps a Needle config to this class, which builds the fast
+tokenizer from that file with `tokenization_needle.build_fast_tokenizer`'s settings (transformers'
+own SentencePiece conversion does not know Needle's pieces and markers).
 """
 
 from transformers import PreTrainedTokenizerFast
 
 from .chat_template import TURN_MARKERS
+from .response_template import RESPONSE_TEMPLATE
 
 
 class NeedleTokenizerFast(PreTrainedTokenizerFast):
@@ -33,6 +39,28 @@ class NeedleTokenizerFast(PreTrainedTokenizerFast):
     Encoding, the vocabulary, the chat template and `skip_special_tokens=False` decoding are those
     of the plain fast tokenizer built by `tokenization_needle.build_fast_tokenizer`.
     """
+
+    vocab_files_names = {"vocab_file": "tokenizer.model", "tokenizer_file": "tokenizer.json"}
+
+    def __init__(self, vocab_file=None, tokenizer_file=None, tokenizer_object=None, **kwargs):
+        """Load from ``tokenizer_file`` or ``tokenizer_object``; with neither, build from the SentencePiece
+        ``vocab_file`` (explicit keyword arguments override the built tokenizer's settings)."""
+        built = tokenizer_object is None and tokenizer_file is None and vocab_file is not None
+        if built:
+            from .tokenization_needle import sentencepiece_tokenizer_settings
+
+            tokenizer_object, settings = sentencepiece_tokenizer_settings(vocab_file)
+            kwargs = {**settings, **{key: value for key, value in kwargs.items() if value is not None}}
+        super().__init__(tokenizer_object=tokenizer_object, tokenizer_file=tokenizer_file, **kwargs)
+        self.vocab_file = vocab_file
+        if built:
+            self.response_template = RESPONSE_TEMPLATE
+
+    @classmethod
+    def convert_to_native_format(cls, trust_remote_code=False, **kwargs):
+        """transformers 5.x: the files go to `__init__` as they are (tokenizer.json loads as written, a lone
+        tokenizer.model is built there); 5.x's own conversion would rebuild the backend from the vocabulary."""
+        return dict(kwargs)
 
     def turn_marker_ids(self) -> frozenset:
         """The ids of `TURN_MARKERS` in this vocabulary (those it has)."""
