@@ -222,7 +222,7 @@ class Needle:
                 for index, generation in zip(chunk, generations):
                     envelopes[index] = _envelope_of(self._backend, prompts[index], generation)
         for query, envelope in zip(queries, envelopes):
-            sources = validation.GroundingSources([self._system, query])
+            sources = validation.GroundingSources([query], instructions=self._system)
             years = validation.licensed_years(validation.source_years(query), self._system)
             envelope["validation"] = self._validation(envelope["function_calls"], sources, years, query)
         self.reset()
@@ -231,7 +231,7 @@ class Needle:
     def reset(self) -> None:
         """Forget the conversation (turns, texts and years seen)."""
         self._messages: list[dict] = []
-        self._sources = validation.GroundingSources([self._system])
+        self._sources = validation.GroundingSources(instructions=self._system)
         self._seen_years: set[int] = set()
         self._last_query = ""
         self._offered = list(self._tool_schemas)

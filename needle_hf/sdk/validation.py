@@ -29,8 +29,10 @@ Our rules for what the reference's engine checks in closed code (`ground_argumen
     (``enum``, ``const``), dates (checked by the year rule) and texts with no word are exempt.
   - A number (not a bool) is grounded when its value occurs among the numbers of those texts
     (ASCII or any other script's digits; ``,``, ``_``, thin and no-break spaces between groups of
-    three digits removed) or among the values English number words spell (``twenty five`` is 25), or when the
-    schema fixes it (``enum``, ``const``).
+    three digits removed) or among the values English number words spell (``twenty five`` is 25) in
+    the user's texts (queries, tool results), or when the schema fixes it (``enum``, ``const``). The
+    system text's number words do not count: an instruction's "one" is a determiner ("make one call
+    per action"), and read as 1 it would ground any 1 the model writes.
   - Negation: the latest user text is negated when a clause opens with a negation cue:
     ``don't``/``do not``/``dont``/``never``/``no need to``/``not``, at the start of the text, after
     clause punctuation or after ``please``/``and``/``but``/``then``/``so``/``just``. Apostrophe
@@ -235,18 +237,23 @@ def _numbers_in(text: str) -> set[decimal.Decimal]:
 class GroundingSources:
     """The words and numbers of the texts a conversation has seen (system, queries, tool results)."""
 
-    def __init__(self, texts: Iterable[str] = ()):
+    def __init__(self, texts: Iterable[str] = (), *, instructions: str | None = None):
+        """``texts``: the user's texts (queries, tool results); ``instructions``: the system text, whose
+        number words are not read as numbers."""
         self.words: set[str] = set()
         self.numbers: set[decimal.Decimal] = set()
+        self.add(instructions, number_words=False)
         for text in texts:
             self.add(text)
 
-    def add(self, text: str | None) -> None:
+    def add(self, text: str | None, *, number_words: bool = True) -> None:
+        """Take in ``text``'s words and numbers (with ``number_words``, also the values its number words spell)."""
         normalised = _normalised(text or "")
         words = _WORD.findall(normalised)
         self.words.update(words)
         self.numbers |= _numbers_in(text or "")  # before NFKC, which turns no-break and thin spaces into spaces
-        self.numbers |= {decimal.Decimal(value) for value in _number_words(words)}
+        if number_words:
+            self.numbers |= {decimal.Decimal(value) for value in _number_words(words)}
         self.words.update(str(int(number)) for number in self.numbers if number == number.to_integral())
 
     def has_string(self, value: str) -> bool:

@@ -155,6 +155,17 @@ def test_strings_and_numbers_are_grounded_in_the_texts_seen(text, arguments, ung
     assert validation.ground_arguments(SCHEMA, arguments, validation.GroundingSources([text])) == ungrounded
 
 
+@pytest.mark.parametrize("system, text, arguments, ungrounded", [
+    ("Make one call per requested action.", "dim the lights to 150 percent", {"guests": 1}, ["guests"]),
+    ("Make one call per requested action.", "Book for one guest", {"guests": 1}, []),      # the user's "one" counts
+    ("Rooms hold at most 4 guests.", "Book a room", {"guests": 4}, []),                    # the system's digits count
+    ("No one may book twenty rooms.", "Book the rooms", {"guests": 20, "city": "one"}, ["guests"]),  # its words stay words
+])
+def test_the_system_texts_number_words_are_not_numbers(system, text, arguments, ungrounded):
+    sources = validation.GroundingSources([text], instructions=system)
+    assert validation.ground_arguments(SCHEMA, arguments, sources) == ungrounded
+
+
 @pytest.mark.parametrize("text, negated", [
     ("don't turn on the study lights", True),
     ("Do not close the living room blinds", True),
