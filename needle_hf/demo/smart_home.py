@@ -164,6 +164,7 @@ COLOR_TEMPLATES = ("make the {room} lights {color}", "set the {room} lights to {
                    "change the lights in the {room} to {color}", "switch the {room} lights to {color}",
                    "{color} lights in the {room}", "turn the {room} lamps {color}",
                    "I want {color} light in the {room}")
+COLOR_TAILS = (" in {color}", " with {color} light", ", {color} please", " and make them {color}", " set to {color}")
 THERMOSTAT_TEMPLATES = ("set the temperature to {n}", "put the heating at {n} degrees", "make it {n} degrees in here",
                         "change the thermostat to {n}", "thermostat at {n} degrees", "heat the place up to {n} degrees",
                         "bring the temperature down to {n} degrees", "adjust the thermostat to {n} celsius",
@@ -191,8 +192,14 @@ BLIND_PLAIN_TEMPLATES = {"open": ("open the blinds in the {room}", "open the bli
                                    "keep the light out of the {room}, close the blinds")}
 BLIND_SHORT_TEMPLATES = {"open": ("{room} blinds up", "{room} blinds open", "blinds up in the {room}"),
                          "close": ("{room} blinds down", "{room} blinds closed", "blinds down in the {room}")}
-VACUUM_START_TEMPLATES = ("run the robot vacuum", "get the vacuum going", "start a cleaning run",
-                          "send the robot vacuum out", "begin vacuuming", "kick off the vacuum")
+VACUUM_START_TEMPLATES = ("get the vacuum going", "start a cleaning run", "send the robot vacuum out",
+                          "begin vacuuming", "kick off the vacuum")
+# Every verb of an action meets every way of naming the vacuum, and stopping is asked as often as starting.
+VACUUM_VERBS = {"start": ("run", "start up", "switch on", "power up", "set off"),
+                "stop": ("halt", "pause", "switch off", "power down", "shut off", "turn off", "end", "stop"),
+                "dock": ("dock", "park", "recharge", "send home")}
+VACUUM_FORMS = ("{verb} the vacuum", "{verb} the robot vacuum cleaner", "{verb} the robot hoover",
+                "{verb} the cleaning robot", "{verb} the vacuum robot")
 # A room named anywhere in a vacuum request goes into the call.
 VACUUM_ROOM_TEMPLATES = ("vacuum the {room}", "send the vacuum to clean the {room}", "run the robot vacuum in the {room}",
                          "clean the {room} with the robot vacuum", "have the vacuum do the {room}",
@@ -201,8 +208,8 @@ VACUUM_ROOM_TEMPLATES = ("vacuum the {room}", "send the vacuum to clean the {roo
                          "kick off vacuuming in the {room}", "do some vacuuming in the {room}",
                          "get the {room} vacuumed", "run a vacuum through the {room}",
                          "the {room} needs vacuuming, start the robot")
-VACUUM_STOP_TEMPLATES = ("stop vacuuming", "halt the robot vacuum", "pause the vacuum", "make the vacuum stop",
-                         "turn the robot vacuum off")
+VACUUM_STOP_TEMPLATES = ("stop vacuuming", "make the vacuum stop", "that's enough vacuuming, stop it",
+                         "the vacuum can stop now", "cancel the cleaning run", "call off the vacuuming")
 VACUUM_DOCK_TEMPLATES = ("send the vacuum back to its dock", "dock the robot vacuum", "return the vacuum to the charger",
                          "put the vacuum back on its base", "let the robot vacuum recharge at the dock")
 
@@ -215,6 +222,13 @@ MISSING_TEMPLATES = ("switch on the lights", "lights off", "turn the lamps on", 
                      "switch the fan off", "start the fan", "put a fan on", "fan on high", "turn off the fan",
                      "set the fan to medium", "dim the {room} lights a little", "open some blinds",
                      "open the curtains somewhere")
+# Requests for devices and services the home does not have, with and without a room named.
+OTHER_APP_REQUESTS = ("play some music", "put on a podcast", "turn on the radio", "start the tv", "turn the speaker up",
+                      "put on the news", "open the window", "lock the window", "turn on the humidifier",
+                      "switch on the air purifier", "start the heated floor", "play a movie", "set up the projector",
+                      "put some jazz on", "turn on the space heater", "run the dehumidifier")
+OTHER_APP_ROOM_FORMS = ("{request} in the {room}", "{request} for the {room}", "in the {room}, {request}",
+                        "{request} over in the {room}")
 IRRELEVANT_TEMPLATES = ("lock the front door", "unlock the garage door", "play some music in the {room}",
                         "turn on the tv", "what's the weather tomorrow", "order more coffee pods",
                         "preheat the oven to 200 degrees", "start the dishwasher", "set an alarm for 7",
@@ -269,10 +283,14 @@ def _room_text(room: str, rng: random.Random) -> str:
     return rng.choice(ROOM_WORDS[room])
 
 
+#: Cores shorter than this always get a full frame (a bare "please" around them is nearly a bare command).
+SHORT_CORE = 24
+
+
 def _frame(core: str, rng: random.Random) -> str:
     """``core`` inside a request frame: a prefix, a suffix or both, optionally a closing mark."""
     kind = rng.random()
-    if kind < 0.3:  # the shortest frame, closest to a bare command
+    if kind < 0.3 and len(core) >= SHORT_CORE:  # the shortest frame, closest to a bare command
         prefix, suffix = ("please ", "") if kind < 0.15 else ("", " please")
     else:
         prefix = rng.choice(PREFIXES) if kind < 0.8 else ""
@@ -304,8 +322,16 @@ def _positive_core(rng: random.Random, *, tool_name: Optional[str] = None) -> tu
             return rng.choice(DIM_TEMPLATES).format(room=_room_text(room, rng), n=n), _call(
                 name, room=room, action="dim", brightness_percent=n)
         color = rng.choice(COLORS)
-        return rng.choice(COLOR_TEMPLATES).format(room=_room_text(room, rng), color=color), _call(
-            name, room=room, action="on", color=color)
+        if rng.random() < 0.5:  # any switch-on form with the colour after it
+            if rng.random() < 0.5:
+                v1, v2 = rng.choice(SPLIT_VERBS["on"])
+                core = rng.choice(LIGHT_SPLIT_TEMPLATES).format(v1=v1, v2=v2, room=_room_text(room, rng))
+            else:
+                core = rng.choice(LIGHT_TEMPLATES).format(verb=rng.choice(LIGHT_ON_VERBS), room=_room_text(room, rng))
+            core += rng.choice(COLOR_TAILS).format(color=color)
+        else:
+            core = rng.choice(COLOR_TEMPLATES).format(room=_room_text(room, rng), color=color)
+        return core, _call(name, room=room, action="on", color=color)
     if name == "set_thermostat":
         n = rng.randint(10, 30)
         return rng.choice(THERMOSTAT_TEMPLATES).format(n=n), _call(name, temperature=n)
@@ -330,13 +356,52 @@ def _positive_core(rng: random.Random, *, tool_name: Optional[str] = None) -> tu
             templates = BLIND_PLAIN_TEMPLATES if kind < 0.85 else BLIND_SHORT_TEMPLATES
             core = rng.choice(templates[action]).format(room=_room_text(room, rng))
         return core, _call(name, room=room, action=action)
-    kind = rng.choice(("start", "start_room", "start_room", "start_room", "stop", "dock"))
+    kind = rng.choice(("start", "start_room", "start_room", "stop", "stop", "dock"))
     if kind == "start_room":
         room = rng.choice(VACUUM_ROOMS)
         return rng.choice(VACUUM_ROOM_TEMPLATES).format(room=_room_text(room, rng)), _call(
             name, action="start", room=room)
+    if rng.random() < 0.6:
+        return rng.choice(VACUUM_FORMS).format(verb=rng.choice(VACUUM_VERBS[kind])), _call(name, action=kind)
     templates = {"start": VACUUM_START_TEMPLATES, "stop": VACUUM_STOP_TEMPLATES, "dock": VACUUM_DOCK_TEMPLATES}[kind]
     return rng.choice(templates), _call(name, action=kind)
+
+
+def _roomless(template: str) -> str:
+    """``template`` with its room taken out ("the {room} fan" -> "the fan", "lights in the {room}" -> "lights")."""
+    for with_room, without in ((" in the {room}", ""), (" of the {room}", ""), (" into the {room}", " in"),
+                               ("the {room} ", "the "), ("all the {room} ", "all the "), ("{room} ", "")):
+        template = template.replace(with_room, without)
+    return template
+
+
+def _missing_room_core(rng: random.Random) -> str:
+    """A supported action in any of the positives' verbs and word orders, with the room left out."""
+    device = rng.choice(("lights", "lights", "fan", "blinds", "blinds"))
+    if device == "lights":
+        kind = rng.random()
+        if kind < 0.3:
+            v1, v2 = rng.choice(SPLIT_VERBS[rng.choice(("on", "off"))])
+            return _roomless(rng.choice(LIGHT_SPLIT_TEMPLATES)).format(v1=v1, v2=v2)
+        if kind < 0.6:
+            verbs = rng.choice((LIGHT_ON_VERBS, LIGHT_OFF_VERBS))
+            return _roomless(rng.choice(LIGHT_TEMPLATES)).format(verb=rng.choice(verbs))
+        if kind < 0.8:
+            return _roomless(rng.choice(DIM_TEMPLATES)).format(n=rng.randint(0, 100))
+        return _roomless(rng.choice(COLOR_TEMPLATES)).format(color=rng.choice(COLORS))
+    if device == "fan":
+        kind = rng.choice(("on", "off", "speed"))
+        if kind == "speed":
+            return _roomless(rng.choice(FAN_SPEED_TEMPLATES)).format(speed=rng.choice(SPEEDS))
+        if rng.random() < 0.3:
+            return _roomless(rng.choice(FAN_SPLIT_TEMPLATES)).format(kind=kind)
+        return _roomless(rng.choice(FAN_FORMS)).format(verb=rng.choice(FAN_VERBS[kind]))
+    action = rng.choice(("open", "close"))
+    kind = rng.random()
+    if kind < 0.55:
+        return _roomless(rng.choice(BLIND_FORMS)).format(verb=rng.choice(BLIND_VERBS[action]))
+    templates = BLIND_PLAIN_TEMPLATES if kind < 0.85 else BLIND_SHORT_TEMPLATES
+    return _roomless(rng.choice(templates[action]))
 
 
 def _slots(rng: random.Random) -> dict:
@@ -359,10 +424,13 @@ def make_example(category: str, rng: random.Random) -> dict:
                 "category": category}
     slots = _slots(rng)
     if category == "missing":
-        core = rng.choice(MISSING_TEMPLATES).format(**slots)
+        core = _missing_room_core(rng) if rng.random() < 0.6 else rng.choice(MISSING_TEMPLATES).format(**slots)
     elif category == "irrelevant":
-        if rng.random() < 0.3:
+        kind = rng.random()
+        if kind < 0.3:
             core = rng.choice(STATE_QUESTION_FRAMES).format(state=rng.choice(STATES).format(**slots))
+        elif kind < 0.55:
+            core = rng.choice(OTHER_APP_ROOM_FORMS).format(request=rng.choice(OTHER_APP_REQUESTS), **slots)
         else:
             core = rng.choice(IRRELEVANT_TEMPLATES).format(**slots)
     elif category == "negation":
