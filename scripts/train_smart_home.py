@@ -2,7 +2,7 @@
 
 The loop an app developer runs, on this machine's CPUs (at most ``--max-minutes`` of training on two
 threads, then a few minutes of scoring). The shipped weights come from one run of the defaults
-(3,300 steps of 32 in 56.7 minutes, nothing else running), recorded in the results JSON:
+(3,300 steps of 32 in 55.3 minutes, nothing else running), recorded in the results JSON:
   1. a fresh Needle 2 of the demo's geometry (`SMART_HOME_CONFIG`, the reference's initialisation,
      seed 0) with the real Needle 2 tokenizer (8192 pieces; `scripts/setup.sh` fetches it from the
      `cactus-needle==2.0.0` wheel into needle_hf/demo/smart_home_weights/, it is never committed);

@@ -22,7 +22,10 @@ Each example is one line of the Needle fine-tuning JSONL format (`needle_hf.fine
 
 Queries are built from our own templates and vocabularies (verbs, word orders, fillers, politeness
 forms), numbers written as digits. Every query carries a request frame (a greeting, a politeness
-form or a closing word), so the data never repeats a bare suite-style command word for word.
+form or a closing word; a full one around a short command), so the data never repeats a bare
+suite-style command word for word. The categories share their surface forms: a missing-room request
+is a positive's verb and word order with the room taken out (`_roomless`), and a request for another
+app's device may name a room, so no wording alone tells a call from no call.
 
 Held-out split: `is_held_out_query` puts a fixed fifth of the query strings (by CRC-32) aside;
 ``split="held_out"`` draws only those and ``split="train"`` never does.
