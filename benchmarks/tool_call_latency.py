@@ -11,6 +11,8 @@ own process (its own compile caches and peak RSS):
     on, retrieval off (five tools), confidence head read off the decoding forwards.
   - ``torch-compiled``: `Needle(folder, compile=True)`: the same loop over a static cache, each step
     after the prompt through the compiled layer programs; its first call compiles them.
+  - ``torch-2threads``, ``torch-compiled-2threads``: the two rows above with ``cpu_threads=2`` (the
+    SDK's default is one thread, which a busy machine needs; an idle one can give both cores).
   - ``flax``: `Needle(folder, framework="flax")`, confidence head read off the decoding steps too.
   - ``reference``: the reference's own Python inference path on the same weights,
     `needle.model.run.build_prompt` + `run.generate` (what `needle run` does; its native engine is
@@ -45,7 +47,7 @@ QUERY = "Set an alarm for 6:30 tomorrow and call it gym."
 NEW_TOKENS = 25
 REPEATS = 3
 TOKENIZER = os.path.join(REPO, "needle_hf", "demo", "tokenizer.model")
-ROWS = ("torch", "torch-compiled", "flax", "reference")
+ROWS = ("torch", "torch-compiled", "torch-2threads", "torch-compiled-2threads", "flax", "reference")
 
 
 def _tool(name, description, **properties):
@@ -84,7 +86,7 @@ def measure_needle(folder, row):
 
     start = time.perf_counter()
     agent = needle_hf.Needle(folder, tools=TOOLS, framework="flax" if row == "flax" else "pt",
-                             compile=row == "torch-compiled")
+                             compile=row.startswith("torch-compiled"), cpu_threads=2 if row.endswith("2threads") else 1)
     agent.reset()
     first = agent.complete(QUERY, NEW_TOKENS)
     first_call_s = time.perf_counter() - start
