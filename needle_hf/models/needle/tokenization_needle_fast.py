@@ -23,7 +23,7 @@ tokenize); load this class with `NeedleTokenizerFast.from_pretrained(folder)` af
 
 A folder whose only tokenizer file is the SentencePiece `tokenizer.model` (how the reference ships
 its tokenizer) loads too: `AutoTokenizer` maps a Needle config to this class, which builds the fast
-tokenizer from that file with `tokenization_needle.build_fast_tokenizer`'s settings (transformers'
+tokenizer from that file with `build_fast_tokenizer`'s settings (transformers'
 own SentencePiece conversion does not know Needle's pieces and markers).
 """
 
@@ -47,7 +47,7 @@ class NeedleTokenizerFast(PreTrainedTokenizerFast):
         ``vocab_file`` (explicit keyword arguments override the built tokenizer's settings)."""
         built = tokenizer_object is None and tokenizer_file is None and vocab_file is not None
         if built:
-            from .tokenization_needle import sentencepiece_tokenizer_settings
+            from .sentencepiece_needle import sentencepiece_tokenizer_settings
 
             tokenizer_object, settings = sentencepiece_tokenizer_settings(vocab_file)
             kwargs = {**settings, **{key: value for key, value in kwargs.items() if value is not None}}
