@@ -306,6 +306,21 @@ def _call(name: str, **arguments) -> dict:
     return {"name": name, "arguments": {key: value for key, value in arguments.items() if value is not None}}
 
 
+def _fan_switch_form(kind: str, rng: random.Random) -> str:
+    """A fan on/off request with its verb chosen and ``{room}`` still to fill."""
+    if rng.random() < 0.3:
+        return rng.choice(FAN_SPLIT_TEMPLATES).replace("{kind}", kind)
+    return rng.choice(FAN_FORMS).replace("{verb}", rng.choice(FAN_VERBS[kind]))
+
+
+def _blinds_form(action: str, rng: random.Random) -> str:
+    """A blinds request for ``action`` with its verb chosen and ``{room}`` still to fill."""
+    kind = rng.random()
+    if kind < 0.55:
+        return rng.choice(BLIND_FORMS).replace("{verb}", rng.choice(BLIND_VERBS[action]))
+    return rng.choice((BLIND_PLAIN_TEMPLATES if kind < 0.85 else BLIND_SHORT_TEMPLATES)[action])
+
+
 def _positive_core(rng: random.Random, *, tool_name: Optional[str] = None) -> tuple[str, dict]:
     """(a query core without its frame, its call) for one supported action."""
     name = tool_name or rng.choice([tool["name"] for tool in SMART_HOME_TOOLS])
@@ -345,20 +360,10 @@ def _positive_core(rng: random.Random, *, tool_name: Optional[str] = None) -> tu
             speed = rng.choice(SPEEDS)
             return rng.choice(FAN_SPEED_TEMPLATES).format(room=_room_text(room, rng), speed=speed), _call(
                 name, room=room, action="on", speed=speed)
-        if rng.random() < 0.3:
-            core = rng.choice(FAN_SPLIT_TEMPLATES).format(room=_room_text(room, rng), kind=kind)
-        else:
-            core = rng.choice(FAN_FORMS).format(verb=rng.choice(FAN_VERBS[kind]), room=_room_text(room, rng))
-        return core, _call(name, room=room, action=kind)
+        return _fan_switch_form(kind, rng).format(room=_room_text(room, rng)), _call(name, room=room, action=kind)
     if name == "control_blinds":
         room, action = rng.choice(ROOMS), rng.choice(("open", "close"))
-        kind = rng.random()
-        if kind < 0.55:
-            core = rng.choice(BLIND_FORMS).format(verb=rng.choice(BLIND_VERBS[action]), room=_room_text(room, rng))
-        else:
-            templates = BLIND_PLAIN_TEMPLATES if kind < 0.85 else BLIND_SHORT_TEMPLATES
-            core = rng.choice(templates[action]).format(room=_room_text(room, rng))
-        return core, _call(name, room=room, action=action)
+        return _blinds_form(action, rng).format(room=_room_text(room, rng)), _call(name, room=room, action=action)
     kind = rng.choice(("start", "start_room", "start_room", "stop", "stop", "dock"))
     if kind == "start_room":
         room = rng.choice(VACUUM_ROOMS)
@@ -373,7 +378,7 @@ def _positive_core(rng: random.Random, *, tool_name: Optional[str] = None) -> tu
 def _roomless(template: str) -> str:
     """``template`` with its room taken out ("the {room} fan" -> "the fan", "lights in the {room}" -> "lights")."""
     for with_room, without in ((" in the {room}", ""), (" of the {room}", ""), (" into the {room}", " in"),
-                               ("the {room} ", "the "), ("all the {room} ", "all the "), ("{room} ", "")):
+                               ("the {room} ", "the "), ("{room} ", "")):
         template = template.replace(with_room, without)
     return template
 
@@ -396,15 +401,8 @@ def _missing_room_core(rng: random.Random) -> str:
         kind = rng.choice(("on", "off", "speed"))
         if kind == "speed":
             return _roomless(rng.choice(FAN_SPEED_TEMPLATES)).format(speed=rng.choice(SPEEDS))
-        if rng.random() < 0.3:
-            return _roomless(rng.choice(FAN_SPLIT_TEMPLATES)).format(kind=kind)
-        return _roomless(rng.choice(FAN_FORMS)).format(verb=rng.choice(FAN_VERBS[kind]))
-    action = rng.choice(("open", "close"))
-    kind = rng.random()
-    if kind < 0.55:
-        return _roomless(rng.choice(BLIND_FORMS)).format(verb=rng.choice(BLIND_VERBS[action]))
-    templates = BLIND_PLAIN_TEMPLATES if kind < 0.85 else BLIND_SHORT_TEMPLATES
-    return _roomless(rng.choice(templates[action]))
+        return _roomless(_fan_switch_form(kind, rng))
+    return _roomless(_blinds_form(rng.choice(("open", "close")), rng))
 
 
 def _slots(rng: random.Random) -> dict:
