@@ -3,11 +3,9 @@
 Needle uses a SentencePiece BPE model: pad 0, eos 1, bos 2, unk 3, the ten chat markers as
 user-defined symbols (ids 4-13), byte fallback, identity normalisation, extra whitespace kept and
 a dummy-prefix space. This module rebuilds it as a `tokenizers.Tokenizer` that gives the same ids
-as `sentencepiece` and wraps it in `NeedleTokenizerFast` (a `transformers.PreTrainedTokenizerFast`
-that hides the turn markers when decoding with `skip_special_tokens=True`; see
-`tokenization_needle_fast`). A saved folder names the plain `PreTrainedTokenizerFast`, so
-`AutoTokenizer` loads it without this package and without remote code, with the chat template,
-the special tokens and (for transformers 5.13+) the `response_template` that parses answers.
+as `sentencepiece`, with the settings of the fast tokenizer around it
+(`sentencepiece_tokenizer_settings`); `tokenization_needle.build_fast_tokenizer` and
+`NeedleTokenizerFast` (from a lone `tokenizer.model`) wrap it.
 
 The source is either a SentencePiece `.model` file or the piece table stored in a reference
 `.cact` export (pieces, scores and piece types). Both go through one `PieceTable`.
