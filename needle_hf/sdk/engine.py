@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import time
 from pathlib import Path
 from typing import Optional, Sequence
@@ -441,6 +442,26 @@ def folder_tokenizer(source: str, *, max_positions: int):
     return AutoTokenizer.from_pretrained(source)
 
 
+# A Hub id: "name" or "owner/name" (huggingface_hub's rule, shortened: letters, digits, "-", "_", ".").
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+
+
+def _checked_source(source: str) -> str:
+    """``source`` if it is a folder or reads as a Hub id; else an error that says what it is instead."""
+    path = Path(source).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"model: {source} has no config.json: expected a converted Needle folder "
+                             "(`needle-hf convert` makes one from a native .pkl or .cact)")
+        return str(path)
+    if path.exists():
+        raise ValueError(f"model: {source} is a file, expected a converted Needle folder (config.json and "
+                         "weights) or a Hub id; a native .pkl or .cact converts with `needle-hf convert`")
+    if not _HUB_ID.fullmatch(source) or ".." in source:
+        raise FileNotFoundError(f"model: no folder at {source}, and it is not a Hub id ('name' or 'owner/name')")
+    return source
+
+
 def load_backend(model, *, framework: Optional[str] = None, tokenizer=None, grammar: bool = True,
                  compile: bool = False, device=None, cpu_threads: int = 1):
     """A backend for ``model``: a folder, a Hub id, or a loaded `NeedleForCausalLM` / `FlaxNeedleForCausalLM`.
@@ -464,7 +485,7 @@ def load_backend(model, *, framework: Optional[str] = None, tokenizer=None, gram
     if isinstance(cpu_threads, bool) or not isinstance(cpu_threads, int) or cpu_threads < 1:
         raise ValueError(f"cpu_threads: expected a positive int, got {cpu_threads!r}")
     if isinstance(model, (str, os.PathLike)):
-        source = os.fspath(model)
+        source = _checked_source(os.fspath(model))
         framework = framework or "pt"
         if framework == "pt":
             from transformers import AutoModelForCausalLM

@@ -35,6 +35,7 @@ those. Without a contrastive head every tool is offered. ``top_k_tools=None`` tu
 
 from __future__ import annotations
 
+import contextlib
 import json
 import resource
 import sys
@@ -85,13 +86,31 @@ def resolve_tools(tools) -> tuple[list[dict], dict]:
         raise TypeError(f"tools: expected a list of tools, got {type(tools).__name__}")
     schemas, functions = [], {}
     for index, entry in enumerate(tools):
-        schema = tool_schema_of(entry)
-        if not isinstance(schema.get("name"), str) or not schema["name"]:
-            raise ValueError(f"tools[{index}]: a tool schema needs a non-empty string 'name', got {schema!r}")
+        schema = _named_schema(entry, where=f"tools[{index}]")
         if callable(entry) or is_pydantic_model(entry):
             functions[schema["name"]] = entry
         schemas.append(schema)
     return schemas, functions
+
+
+def _named_schema(entry, *, where: str) -> dict:
+    """`tool_schema_of` of ``entry``, which must name its tool; ``where`` names it in errors."""
+    schema = tool_schema_of(entry, where=where)
+    if not isinstance(schema.get("name"), str) or not schema["name"]:
+        raise ValueError(f"{where}: a tool schema needs a non-empty string 'name', got {schema!r}")
+    return schema
+
+
+def _checked_text(name: str, value) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"{name}: expected a str, got {type(value).__name__}: {value!r:.80}")
+    return value
+
+
+def _checked_count(name: str, value, *, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}")
+    return value
 
 
 def _tool_text(schema: dict) -> str:
@@ -127,8 +146,11 @@ class Needle:
         if model is None:
             raise ValueError("model: name a converted Needle folder, a Hub id or a loaded model "
                              "(needle_hf has no built-in weights)")
-        if top_k_tools is not None and (not isinstance(top_k_tools, int) or top_k_tools < 1):
+        if top_k_tools is not None and (isinstance(top_k_tools, bool) or not isinstance(top_k_tools, int)
+                                        or top_k_tools < 1):
             raise ValueError(f"top_k_tools: expected a positive int or None, got {top_k_tools!r}")
+        if system is not None:
+            _checked_text("system", system)
         self._backend = model if isinstance(model, _Backend) else load_backend(
             model, framework=framework, tokenizer=tokenizer, grammar=grammar, compile=compile, device=device,
             cpu_threads=cpu_threads)
@@ -150,7 +172,16 @@ class Needle:
     # -- the reference's calls ------------------------------------------------------------------
 
     def complete(self, text: str = "", max_new_tokens: int = 256) -> dict:
-        """Answer ``text`` as the next user turn; returns the envelope (module docstring)."""
+        """Answer ``text`` as the next user turn; returns the envelope (module docstring).
+
+        A call that raises (bad arguments, an interrupted generation) leaves the conversation as it
+        was before it."""
+        _checked_text("text", text)
+        _checked_count("max_new_tokens", max_new_tokens, minimum=1)
+        with self._turn():
+            return self._complete(text, max_new_tokens)
+
+    def _complete(self, text: str, max_new_tokens: int) -> dict:
         self._see(text)
         self._messages.append({"role": "user", "content": text})
         self._last_query = text
@@ -165,9 +196,17 @@ class Needle:
         result. With ``strict``, a call with an ungrounded argument (a flagged path whose value is
         not a number written in the query or system text) is not made; its result is
         ``{"error": "ungrounded Tool.path, ..."}`` naming the paths. Returns the last envelope with
-        ``results``: every result, in call order.
+        ``results``: every result, in call order. A run that raises leaves the conversation as it was
+        before it (the functions it called have run).
         """
-        response = self.complete(query, max_new_tokens)
+        _checked_text("query", query)
+        _checked_count("max_steps", max_steps, minimum=0)
+        _checked_count("max_new_tokens", max_new_tokens, minimum=1)
+        with self._turn():
+            return self._run(query, max_steps, max_new_tokens, strict=strict)
+
+    def _run(self, query: str, max_steps: int, max_new_tokens: int, *, strict: bool) -> dict:
+        response = self._complete(query, max_new_tokens)
         executed = []
         for _ in range(max_steps):
             calls = response.get("function_calls") or []
@@ -195,12 +234,18 @@ class Needle:
         """Answer each query on its own, as `complete` right after `reset()` would, decoding
         ``batch_size`` prompts at a time (queries offered the same tools share a batch). The
         conversation is reset afterwards."""
-        if batch_size < 1:
-            raise ValueError(f"batch_size: expected a positive int, got {batch_size!r}")
+        _checked_count("batch_size", batch_size, minimum=1)
+        _checked_count("max_new_tokens", max_new_tokens, minimum=1)
+        if isinstance(queries, str) or not isinstance(queries, Sequence):
+            raise TypeError(f"queries: expected a list of str, got {type(queries).__name__}")
+        for index, query in enumerate(queries):
+            _checked_text(f"queries[{index}]", query)
+        with self._turn():
+            return self._complete_batch(queries, max_new_tokens, batch_size=batch_size)
+
+    def _complete_batch(self, queries: Sequence[str], max_new_tokens: int, *, batch_size: int) -> list[dict]:
         prompts, offered, envelopes = [], [], [None] * len(queries)
         for index, query in enumerate(queries):
-            if not isinstance(query, str):
-                raise TypeError(f"queries[{index}]: expected a str, got {type(query).__name__}")
             self.reset()
             self._messages.append({"role": "user", "content": query})
             self._offered = self._route(query)
@@ -246,6 +291,17 @@ class Needle:
         self.close()
 
     # -- internals ------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _turn(self):
+        """Put the conversation back as it was if the body raises (an exception or an interrupt)."""
+        saved = (list(self._messages), self._sources.copy(), set(self._seen_years), self._last_query,
+                 list(self._offered))
+        try:
+            yield
+        except BaseException:
+            (self._messages, self._sources, self._seen_years, self._last_query, self._offered) = saved
+            raise
 
     def _see(self, text: str) -> None:
         self._sources.add(text)
@@ -378,6 +434,10 @@ def _validate_extraction(text: str, schema: dict, arguments: dict, envelope: dic
 
 
 def _extract(backend, text, schema, *, system, max_new_tokens, strict, top_k_tools=DEFAULT_TOP_K_TOOLS):
+    _checked_text("text", text)
+    _named_schema(schema, where="schema")
+    if system is not None:
+        _checked_text("system", system)
     agent = Needle(backend, tools=[schema], system=system, top_k_tools=top_k_tools)
     envelope = agent.complete(text, max_new_tokens)
     calls = envelope["function_calls"]

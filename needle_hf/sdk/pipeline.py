@@ -16,6 +16,7 @@ arranges for it to run as soon as `transformers.pipelines` is imported.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Optional
 
 from transformers import AutoModelForCausalLM
@@ -54,6 +55,9 @@ class ToolCallingPipeline(Pipeline):
                  batch_size: Optional[int] = None):
         """One query -> one envelope; a list of queries -> a list of envelopes (``batch_size`` per decode)."""
         single = isinstance(inputs, str)
+        if not single and (not isinstance(inputs, Iterable) or isinstance(inputs, (bytes, dict))):
+            raise TypeError(f"tool-calling pipeline: expected a query (str) or a list of queries, got "
+                            f"{type(inputs).__name__}: {inputs!r:.80}")
         queries = [inputs] if single else list(inputs)
         agent = Needle(self._backend, tools=tools, system=system, top_k_tools=self.top_k_tools)
         envelopes = agent.complete_batch(queries, max_new_tokens, batch_size=batch_size or self._batch_size or 8)

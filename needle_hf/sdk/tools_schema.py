@@ -235,8 +235,9 @@ def tool(fn: Callable) -> Callable:
     return fn
 
 
-def tool_schema_of(entry: Any) -> dict:
-    """The schema of one tool entry: a decorated or plain function, a pydantic model or a schema dict."""
+def tool_schema_of(entry: Any, *, where: str = "tools") -> dict:
+    """The schema of one tool entry: a decorated or plain function, a pydantic model or a schema dict.
+    ``where`` names the entry in the error for anything else (``tools[2]``, ``schema``)."""
     if is_pydantic_model(entry):
         return pydantic_schema(entry)
     if callable(entry):
@@ -246,7 +247,7 @@ def tool_schema_of(entry: Any) -> dict:
             return entry["function"]
         return entry
     raise TypeError(
-        f"tools: expected functions, pydantic models or schema dicts, got {type(entry).__name__}: {entry!r}")
+        f"{where}: expected a function, a pydantic model or a schema dict, got {type(entry).__name__}: {entry!r}")
 
 
 __all__ = ["Field", "build_schema", "is_field", "is_pydantic_model", "json_type", "parse_docstring",

@@ -256,6 +256,11 @@ class GroundingSources:
             self.numbers |= {decimal.Decimal(value) for value in _number_words(words)}
         self.words.update(str(int(number)) for number in self.numbers if number == number.to_integral())
 
+    def copy(self) -> "GroundingSources":
+        copied = GroundingSources()
+        copied.words, copied.numbers = set(self.words), set(self.numbers)
+        return copied
+
     def has_string(self, value: str) -> bool:
         for word in _WORD.findall(_normalised(value)):
             if word in self.words:

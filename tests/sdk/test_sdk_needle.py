@@ -8,6 +8,7 @@ for an alarm request. The tools are Python functions whose schemas equal the dem
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import transformers
@@ -416,6 +417,72 @@ def test_bad_arguments_get_clear_errors(folder):
         needle_hf.Needle(folder, top_k_tools=0)
     with pytest.raises(ValueError, match="cpu_threads: expected a positive int"):
         needle_hf.Needle(folder, cpu_threads=0)
+    with pytest.raises(TypeError, match="system: expected a str, got int"):
+        needle_hf.Needle(folder, system=5)
+
+
+def test_model_names_that_are_no_model_get_clear_errors(folder, tmp_path):
+    with pytest.raises(FileNotFoundError, match="model: no folder at /no/such/folder, and it is not a Hub id"):
+        needle_hf.Needle("/no/such/folder", tools=DEMO_FUNCTIONS)
+    with pytest.raises(ValueError, match="has no config.json: expected a converted Needle folder"):
+        needle_hf.Needle(str(tmp_path), tools=DEMO_FUNCTIONS)
+    weights = os.path.join(folder, "model.safetensors")
+    with pytest.raises(ValueError, match="model.safetensors is a file, expected a converted Needle folder"):
+        needle_hf.Needle(weights, tools=DEMO_FUNCTIONS)
+
+
+def test_bad_call_arguments_get_clear_errors_and_leave_the_conversation_alone(agents):
+    agent = agents("pt")
+    agent.reset()
+    agent.complete("Set an alarm for 6:30.", MAX_NEW_TOKENS)
+    before = (list(agent._messages), set(agent._sources.words), set(agent._sources.numbers))
+    calls = [
+        (TypeError, "text: expected a str, got NoneType", lambda: agent.complete(None)),
+        (TypeError, "text: expected a str, got int", lambda: agent.complete(5)),
+        (ValueError, "max_new_tokens: expected an int >= 1, got 0", lambda: agent.complete("hi", 0)),
+        (ValueError, "max_new_tokens: expected an int >= 1, got True", lambda: agent.complete("hi", True)),
+        (TypeError, "query: expected a str, got list", lambda: agent.run(["hi"])),
+        (ValueError, "max_steps: expected an int >= 0, got -1", lambda: agent.run("hi", max_steps=-1)),
+        (TypeError, "queries: expected a list of str, got str", lambda: agent.complete_batch("hi")),
+        (TypeError, r"queries\[1\]: expected a str, got int", lambda: agent.complete_batch(["hi", 2])),
+        (TypeError, "schema: expected a function, a pydantic model or a schema dict, got int",
+         lambda: agent.extract("hi", 42)),
+        (ValueError, "schema: a tool schema needs a non-empty string 'name'",
+         lambda: agent.extract("hi", {"type": "object"})),
+    ]
+    for error, message, call in calls:
+        with pytest.raises(error, match=message):
+            call()
+        assert (agent._messages, agent._sources.words, agent._sources.numbers) == before
+
+
+@pytest.mark.parametrize("failure", [RuntimeError("the decoder failed"), KeyboardInterrupt()])
+def test_a_call_that_raises_midway_leaves_the_conversation_as_it_was(agents, monkeypatch, failure):
+    """An exception or an interrupt inside the generation (after the user turn was taken in) puts the
+    turns, the grounding texts and the years back: the next call answers as if it never happened."""
+    agent = agents("pt")
+    agent.reset()
+    first = agent.complete("Set an alarm for 6:30.", MAX_NEW_TOKENS)
+    state = lambda: (list(agent._messages), set(agent._sources.words), set(agent._sources.numbers),
+                     set(agent._seen_years), agent._last_query)
+    before = state()
+
+    def failing(*args, **kwargs):
+        raise failure
+
+    with monkeypatch.context() as patch:
+        patch.setattr(agent._backend, "generate", failing)
+        for call in (lambda: agent.complete("Also one for 7:45 in 2031.", MAX_NEW_TOKENS),
+                     lambda: agent.run("Also one for 7:45 in 2031.", max_new_tokens=MAX_NEW_TOKENS)):
+            with pytest.raises(type(failure)):
+                call()
+            assert state() == before
+    second = agent.complete("Also one for 7:45.", MAX_NEW_TOKENS)
+    assert [m["role"] for m in agent._messages] == ["user", "assistant", "user", "assistant"]
+    agent.reset()
+    agent.complete("Set an alarm for 6:30.", MAX_NEW_TOKENS)
+    assert agent.complete("Also one for 7:45.", MAX_NEW_TOKENS)["function_calls"] == second["function_calls"]
+    assert first["type"] in ("call", "respond")
 
 
 def test_a_folder_with_only_a_sentencepiece_model_gets_its_tokenizer_built(folder, envelopes, tmp_path):

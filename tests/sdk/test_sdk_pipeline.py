@@ -57,3 +57,9 @@ def test_a_batch_gives_each_query_its_own_envelope(pipe):
 def test_unknown_arguments_are_refused(pipe):
     with pytest.raises(TypeError, match="unexpected keyword argument 'temperature'"):
         pipe(QUERIES[0], tools=DEMO_FUNCTIONS, temperature=0.7)
+    for bad in (None, 5, {"query": QUERIES[0]}):
+        with pytest.raises(TypeError, match="tool-calling pipeline: expected a query .str. or a list of queries"):
+            pipe(bad, tools=DEMO_FUNCTIONS)
+    with pytest.raises(TypeError, match=r"queries\[1\]: expected a str, got int"):
+        pipe([QUERIES[0], 5], tools=DEMO_FUNCTIONS)
+    assert len(pipe(iter(QUERIES[:2]), tools=DEMO_FUNCTIONS, max_new_tokens=MAX_NEW_TOKENS)) == 2  # any iterable

@@ -207,7 +207,9 @@ def test_schema_dicts_and_json_strings_are_taken_as_they_are():
     assert resolve_tools(json.dumps([schema]))[0] == [schema]
     with pytest.raises(ValueError, match="JSON list of tool schemas"):
         resolve_tools("[not json")
-    with pytest.raises(TypeError, match="expected functions, pydantic models or schema dicts"):
-        resolve_tools([42])
+    with pytest.raises(TypeError, match=r"tools\[1\]: expected a function, a pydantic model or a schema dict, got int"):
+        resolve_tools([schema, 42])
+    with pytest.raises(TypeError, match=r"tools\[0\]: expected .*, got str"):  # JSON strings: the whole list only
+        resolve_tools([json.dumps(schema)])
     with pytest.raises(ValueError, match=r"tools\[0\]: a tool schema needs a non-empty string 'name'"):
         resolve_tools([{"parameters": {}}])
