@@ -121,5 +121,8 @@ class PlaygroundSession:
                 backend = self.backend(folder)
             except (OSError, ValueError) as error:  # a missing folder, an unreachable Hub id, not a Needle model
                 return PlaygroundAnswer(error=f"{folder}: the model could not be loaded: {error}")
-            agent = Needle(backend, tools=schemas, system=system or None)
+            try:
+                agent = Needle(backend, tools=schemas, system=system or None)
+            except ValueError as error:  # a tool the answer grammar cannot constrain
+                return PlaygroundAnswer(error=str(error))
             return PlaygroundAnswer.from_envelope(agent.complete(query, max_new_tokens))

@@ -101,6 +101,18 @@ def _named_schema(entry, *, where: str) -> dict:
     return schema
 
 
+def _check_grammar_takes(schemas: list[dict]) -> None:
+    """Refuse, when the agent is made, a tool whose parameters the answer grammar cannot constrain
+    (it would fail every later call that offers it)."""
+    from ..generation.grammar import ToolGrammarError, tool_calls_json_schema
+
+    for index, schema in enumerate(schemas):
+        try:
+            tool_calls_json_schema([schema])
+        except ToolGrammarError as error:
+            raise ToolGrammarError(f"tools[{index}]: {error} (grammar=False decodes without the grammar)") from None
+
+
 def _checked_text(name: str, value) -> str:
     if not isinstance(value, str):
         raise TypeError(f"{name}: expected a str, got {type(value).__name__}: {value!r:.80}")
@@ -155,6 +167,8 @@ class Needle:
             model, framework=framework, tokenizer=tokenizer, grammar=grammar, compile=compile, device=device,
             cpu_threads=cpu_threads)
         self._tool_schemas, self._functions = resolve_tools(tools)
+        if self._backend.grammar is not None:
+            _check_grammar_takes(self._tool_schemas)
         self._system = (system or "").strip()
         self.top_k_tools = top_k_tools
         self._tool_embeddings: Optional[np.ndarray] = None

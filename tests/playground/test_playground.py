@@ -90,6 +90,9 @@ def test_bad_input_is_shown_as_an_error_and_loads_nothing(demo_folder, tmp_path)
     assert session.loaded() == []
     assert session.run(missing, json.dumps(TOOLS), QUERY).error.startswith(f"{missing}: the model could not be loaded")
     assert "is not one of this playground's folders" in session.run("elsewhere", json.dumps(TOOLS), QUERY).error
+    bad_parameters = [{"name": "x", "parameters": {"type": "object", "properties": [1]}}]
+    assert "tools[0]: tool x: parameters: keyword 'properties' must be an object of schemas" in \
+        session.run(folder, json.dumps(bad_parameters), QUERY).error
     with pytest.raises(ValueError, match="at least one"):
         PlaygroundSession([])
     with pytest.raises(ValueError, match="each folder once"):

@@ -419,6 +419,12 @@ def test_bad_arguments_get_clear_errors(folder):
         needle_hf.Needle(folder, cpu_threads=0)
     with pytest.raises(TypeError, match="system: expected a str, got int"):
         needle_hf.Needle(folder, system=5)
+    from needle_hf.generation.grammar import ToolGrammarError
+
+    bad_parameters = {"name": "x", "parameters": {"type": "object", "properties": {"a": 5}}}
+    with pytest.raises(ToolGrammarError, match=r"tools\[1\]: tool x: parameters/properties/a: expected a schema"):
+        needle_hf.Needle(folder, tools=[set_alarm, bad_parameters])
+    needle_hf.Needle(folder, tools=[set_alarm, bad_parameters], grammar=False)  # no grammar: taken as written
 
 
 def test_model_names_that_are_no_model_get_clear_errors(folder, tmp_path):
