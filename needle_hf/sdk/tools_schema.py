@@ -183,6 +183,11 @@ def parse_docstring(doc: str | None) -> tuple[str, dict[str, str]]:
 
 def build_schema(fn: Callable) -> dict:
     """``{"name", "description"?, "parameters"}`` of a Python function (see the module docstring)."""
+    if not callable(fn):
+        raise TypeError(f"build_schema: expected a function, got {type(fn).__name__}: {fn!r:.80}")
+    if not isinstance(getattr(fn, "__name__", None), str):
+        raise TypeError(f"build_schema: a tool is named by its function's __name__, and this "
+                        f"{type(fn).__name__} has none ({fn!r:.80}); wrap it in a def, or set __name__")
     try:
         hints = typing.get_type_hints(fn, include_extras=True)
     except Exception:  # unresolvable forward references: fall back to the raw annotations
@@ -220,6 +225,8 @@ def pydantic_schema(model: type) -> dict:
     The parameters are the model's JSON schema properties with its ``required`` and ``$defs``
     (``definitions`` in v1); the name is the schema's title; the description the class docstring.
     """
+    if not is_pydantic_model(model):
+        raise TypeError(f"pydantic_schema: expected a pydantic model class, got {type(model).__name__}: {model!r:.80}")
     raw = model.model_json_schema() if hasattr(model, "model_json_schema") else model.schema()
     parameters = {"type": "object", "properties": raw.get("properties", {})}
     parameters.update({key: raw[key] for key in ("required", "$defs", "definitions") if key in raw})

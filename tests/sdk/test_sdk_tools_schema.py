@@ -213,3 +213,18 @@ def test_schema_dicts_and_json_strings_are_taken_as_they_are():
         resolve_tools([json.dumps(schema)])
     with pytest.raises(ValueError, match=r"tools\[0\]: a tool schema needs a non-empty string 'name'"):
         resolve_tools([{"parameters": {}}])
+
+
+def test_what_is_no_tool_gets_a_clear_error():
+    import functools
+
+    def scale(value: int, factor: int = 2) -> int:
+        """Scale a value."""
+        return value * factor
+
+    with pytest.raises(TypeError, match="build_schema: expected a function, got int"):
+        needle_hf.tool(5)
+    with pytest.raises(TypeError, match="build_schema: a tool is named by its function's __name__, and this partial"):
+        needle_hf.build_schema(functools.partial(scale, factor=3))
+    with pytest.raises(TypeError, match="pydantic_schema: expected a pydantic model class, got dict"):
+        needle_hf.pydantic_schema({"name": "x"})
