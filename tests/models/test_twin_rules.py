@@ -121,3 +121,44 @@ def test_a_packed_row_counts_the_positions_of_its_sequences_in_both_twins(checkp
         assert flax_model(ids, position_ids=packed).logits.shape[1] == limit + 20
         with pytest.raises(ValueError, match=message):
             flax_model(ids, position_ids=packed + 1)
+
+
+def _bad_whole_text_inputs(config) -> list:
+    """(input_ids, position_ids, the message both twins give) for a forward over whole texts."""
+    ids = np.random.default_rng(2).integers(1, config.vocab_size, size=(2, 6))
+    positions = np.broadcast_to(np.arange(6), (2, 6))
+    v = config.vocab_size
+    return [
+        (ids + v, None, rf"input_ids: expected ids in \[0, {v}\) \(config.vocab_size\), found {ids.min() + v}..{ids.max() + v}"),
+        (ids - v, None, rf"input_ids: expected ids in \[0, {v}\) \(config.vocab_size\), found {ids.min() - v}\.\.{ids.max() - v}"),
+        (ids.astype(np.float32), None, r"input_ids: expected an integer tensor \[batch, tokens\], found float32 of shape \(2, 6\)"),
+        (ids[None], None, r"input_ids: expected an integer tensor \[batch, tokens\], found int64 of shape \(1, 2, 6\)"),
+        (ids[:, :0], None, r"input_ids: expected at least one token a row, found int64 of shape \(2, 0\)"),
+        (ids, positions - 2, r"position_ids: expected positions >= 0, found -2"),
+        (ids, positions.astype(np.float32), r"position_ids: expected an integer tensor \[2, 6\] \(or \[1, 6\]\) like input_ids, found float32 of shape \(2, 6\)"),
+        (ids, positions[:, :4], r"position_ids: expected an integer tensor \[2, 6\] \(or \[1, 6\]\) like input_ids, found int64 of shape \(2, 4\)"),
+    ]
+
+
+def test_both_twins_refuse_ids_and_positions_that_are_no_text_at_a_forward(checkpoint):
+    """Ids outside the vocabulary, float or misshapen ids and position ids, negative positions: the same
+    message from both twins (the dtype named as each framework names it), before any layer runs."""
+    config, _, folder = checkpoint
+    torch_model = NeedleForCausalLM.from_pretrained(folder).eval()
+    twins = _twins(folder)
+    flax_model = twins["flax"](folder) if "flax" in twins else None
+    for ids, positions, message in _bad_whole_text_inputs(config):
+        torch_message = message.replace("found float32", "found torch.float32").replace("found int64", "found torch.int64")
+        with torch.no_grad(), pytest.raises(ValueError, match=torch_message):
+            torch_model(torch.from_numpy(np.ascontiguousarray(ids)),
+                        position_ids=None if positions is None else torch.from_numpy(np.ascontiguousarray(positions)))
+        if flax_model is not None:
+            with pytest.raises(ValueError, match=message):
+                flax_model(ids, position_ids=positions)
+    ids = torch.from_numpy(_bad_whole_text_inputs(config)[0][0] - config.vocab_size)
+    with torch.no_grad():  # [1, T] positions serve every row, as in transformers
+        assert torch_model(ids, position_ids=torch.arange(6)[None]).logits.shape == (2, 6, config.vocab_size)
+        with pytest.raises(ValueError, match=r"labels: expected integer token ids of shape \(2, 6\) like input_ids"):
+            torch_model(ids, labels=ids[:, :4])
+        with pytest.raises(ValueError, match=r"shift_labels: expected integer token ids of shape \(2, 6\)"):
+            torch_model(ids, shift_labels=ids.float())

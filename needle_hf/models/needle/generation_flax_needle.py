@@ -15,7 +15,7 @@ import numpy as np
 
 from .mtp_option import pop_mtp_option
 from .projections_flax_needle import with_decoding_kernels
-from .specification_needle import check_positions, prompt_ids_error
+from .specification_needle import check_positions, position_ids_error, prompt_ids_error
 
 
 def check_prompt_ids(input_ids, vocab_size: int) -> None:
@@ -32,8 +32,32 @@ def check_prompt_ids(input_ids, vocab_size: int) -> None:
     error = prompt_ids_error(
         integer_matrix=integer_matrix,
         found=f"{input_ids.dtype} of shape {tuple(input_ids.shape)}",
+        tokens=input_ids.shape[1] if integer_matrix else None,
         bounds=(int(values.min()), int(values.max())) if concrete else None,
         vocab_size=vocab_size,
+    )
+    if error is not None:
+        raise error
+
+
+def check_position_ids(position_ids, input_shape) -> None:
+    """A whole-text call's ``position_ids``: None, or integer positions >= 0 [B, T] or [1, T]
+    (``input_shape`` = (B, T); `position_ids_error`; the sign is checked on concrete values only)."""
+    if position_ids is None:
+        return
+    if not (hasattr(position_ids, "shape") and hasattr(position_ids, "dtype")):
+        try:
+            position_ids = np.asarray(position_ids)
+        except ValueError:
+            position_ids = np.asarray(0.0)  # ragged: refused below
+    integer = jnp.issubdtype(position_ids.dtype, jnp.integer)
+    concrete = integer and not isinstance(position_ids, jax.core.Tracer) and position_ids.size
+    error = position_ids_error(
+        integer=integer,
+        found=f"{position_ids.dtype} of shape {tuple(position_ids.shape)}",
+        shape=tuple(position_ids.shape),
+        input_shape=tuple(input_shape),
+        smallest=int(np.min(np.asarray(position_ids))) if concrete else None,
     )
     if error is not None:
         raise error
@@ -89,4 +113,4 @@ class FlaxNeedleGenerationMixin:
                             trace=trace)
 
 
-__all__ = ["FlaxNeedleGenerationMixin", "check_prompt_ids"]
+__all__ = ["FlaxNeedleGenerationMixin", "check_position_ids", "check_prompt_ids"]

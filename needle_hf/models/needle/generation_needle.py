@@ -21,7 +21,7 @@ from .cache_needle import is_static_cache, static_cache_length
 from .compiled_decoding_needle import LayerCompiledCall
 from .configuration_needle import NeedleConfig
 from .mtp_option import pop_mtp_option
-from .specification_needle import attention_window_option, check_positions, prompt_ids_error
+from .specification_needle import attention_window_option, check_positions, position_ids_error, prompt_ids_error
 from .speculative import mtp_generate, trim_to_max_length
 
 
@@ -54,8 +54,28 @@ def check_prompt_ids(input_ids, vocab_size: int) -> None:
     error = prompt_ids_error(
         integer_matrix=integer_matrix,
         found=f"{input_ids.dtype} of shape {tuple(input_ids.shape)}" if is_tensor else type(input_ids).__name__,
+        tokens=input_ids.shape[1] if integer_matrix else None,
         bounds=bounds,
         vocab_size=vocab_size,
+    )
+    if error is not None:
+        raise error
+
+
+def check_position_ids(position_ids, input_shape) -> None:
+    """A whole-text forward's ``position_ids``: None, or integer positions >= 0 [B, T] or [1, T]
+    (``input_shape`` = (B, T); `position_ids_error`)."""
+    if position_ids is None:
+        return
+    is_tensor = isinstance(position_ids, torch.Tensor)
+    integer = is_tensor and not position_ids.is_floating_point() and not position_ids.is_complex() \
+        and position_ids.dtype != torch.bool
+    error = position_ids_error(
+        integer=integer,
+        found=f"{position_ids.dtype} of shape {tuple(position_ids.shape)}" if is_tensor else type(position_ids).__name__,
+        shape=tuple(position_ids.shape) if is_tensor else None,
+        input_shape=tuple(input_shape),
+        smallest=int(position_ids.min()) if integer and position_ids.numel() else None,
     )
     if error is not None:
         raise error

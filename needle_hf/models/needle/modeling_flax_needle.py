@@ -45,7 +45,7 @@ from .deploy_numerics_flax import (  # deploy numerics hooks
     training_weights,
 )
 from .engram_flax_needle import FlaxNeedleEngram, FlaxNeedleEngramCollection, add_engram_read, engram_window_memory  # noqa: F401  (re-exported)
-from .generation_flax_needle import FlaxNeedleGenerationMixin, check_prompt_ids  # noqa: F401  (re-exported)
+from .generation_flax_needle import FlaxNeedleGenerationMixin, check_position_ids, check_prompt_ids  # noqa: F401  (re-exported)
 from .hadamard_mlp_flax_needle import FlaxNeedleHadamardMLP
 from .heads_flax_needle import FlaxNeedleConfidenceHead, FlaxNeedleContrastiveHead, FlaxNeedleHeadsMixin, probe_pool  # noqa: F401  (re-exported)
 from .hyper_connections_flax_needle import FlaxNeedleHyperConnection
@@ -683,10 +683,14 @@ class FlaxNeedlePreTrainedModel(FlaxPreTrainedModel):
         return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), unfreeze(variables["cache"]))
 
     def _prepare_call(self, input_ids, attention_mask, position_ids, past_key_values):
+        if past_key_values is None:
+            # A forward over whole texts: where both twins check the ids, the position ids and the
+            # positions taken (`check_prompt_ids`, `check_position_ids`, `check_positions`).
+            check_prompt_ids(input_ids, self.config.vocab_size)
+            check_position_ids(position_ids, np.shape(input_ids))
         input_ids = jnp.asarray(input_ids, dtype="i4")
         b, t = input_ids.shape
         if past_key_values is None and not isinstance(position_ids, jax.core.Tracer):
-            # A forward over whole texts: where both twins check the positions (`check_positions`).
             largest = int(np.max(position_ids)) if position_ids is not None and np.size(position_ids) else None
             check_positions(positions_taken(t, largest), self.config.max_position_embeddings)
         if attention_mask is None:

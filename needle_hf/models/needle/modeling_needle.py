@@ -74,7 +74,7 @@ from .deploy_numerics import (  # deploy numerics hooks
     training_weights,
 )
 from .engram_needle import NeedleEngram, NeedleEngramMemoryMixin, add_engram_read, engram_window_memory  # noqa: F401  (re-exported)
-from .generation_needle import NeedleGenerationMixin, check_prompt_ids  # noqa: F401  (re-exported)
+from .generation_needle import NeedleGenerationMixin, check_position_ids, check_prompt_ids  # noqa: F401  (re-exported)
 from .heads_needle import NeedleConfidenceHead, NeedleContrastiveHead, NeedleHeadsMixin, probe_pool, tied_logits  # noqa: F401  (re-exported)
 from .hadamard_mlp_needle import NeedleHadamardMLP
 from .hyper_connections_needle import NeedleHyperConnection
@@ -556,7 +556,10 @@ class NeedleModel(NeedlePreTrainedModel, NeedleStepInputsMixin, NeedleEngramMemo
                 "(load it with attn_implementation='eager')"
             )
         if cache is None and not (is_torchdynamo_compiling() or torch.compiler.is_exporting()):
-            # A forward over whole texts: where both twins check the positions (`check_positions`).
+            # A forward over whole texts: where both twins check the ids, the position ids and the
+            # positions taken (`check_prompt_ids`, `check_position_ids`, `check_positions`).
+            check_prompt_ids(input_ids, self.config.vocab_size)
+            check_position_ids(position_ids, input_ids.shape)
             taken = positions_taken(input_ids.shape[1], largest_position(position_ids, cu_seq_lens_q))
             check_positions(taken, self.config.max_position_embeddings)
         if self.gradient_checkpointing and self.training and use_cache:
@@ -769,6 +772,13 @@ class NeedleForCausalLM(NeedlePreTrainedModel, NeedleGenerationMixin, NeedleHead
         if labels is not None or shift_labels is not None:
             if logits.shape[1] != input_ids.shape[1]:
                 raise ValueError("labels need the logits of every position: leave logits_to_keep at 0")
+            for name, value in (("labels", labels), ("shift_labels", shift_labels)):
+                if value is not None and (not isinstance(value, torch.Tensor) or value.is_floating_point()
+                                          or tuple(value.shape) != tuple(input_ids.shape)):
+                    found = f"{value.dtype} of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) \
+                        else type(value).__name__
+                    raise ValueError(f"{name}: expected integer token ids of shape {tuple(input_ids.shape)} like "
+                                     f"input_ids (-100: no target), found {found}")
             loss = self.loss_function(
                 logits=logits,
                 labels=labels,

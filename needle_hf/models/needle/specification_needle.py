@@ -67,6 +67,7 @@ TWIN_HELPERS = (
     "packed_segment_ids",  # (position_ids)
     "probe_pool",  # (cells, keep, probes)
     "check_prompt_ids",  # (input_ids, vocab_size)
+    "check_position_ids",  # (position_ids, input_shape)
 )
 
 
@@ -128,18 +129,36 @@ def positions_taken(length: int, largest_position: int | None) -> int:
     return length if largest_position is None else largest_position + 1
 
 
-def prompt_ids_error(*, integer_matrix: bool, found: str, bounds: tuple[int, int] | None, vocab_size: int):
+def prompt_ids_error(*, integer_matrix: bool, found: str, tokens: int | None, bounds: tuple[int, int] | None,
+                     vocab_size: int):
     """The error for a prompt that is not integer ids [batch, tokens] in [0, vocab_size), or None.
 
-    ``found`` describes the input (dtype and shape, or its type); ``bounds`` is (smallest, largest)
-    id when known (None for an empty prompt or a traced one).
+    Both twins check it at the start of `generate` and in a forward over whole texts (where they check
+    `check_positions`). ``found`` describes the input (dtype and shape, or its type); ``tokens`` is T;
+    ``bounds`` is (smallest, largest) id when known (None for an empty prompt or a traced one).
     """
     if not integer_matrix:
         return ValueError(f"input_ids: expected an integer tensor [batch, tokens], found {found}")
+    if tokens == 0:
+        return ValueError(f"input_ids: expected at least one token a row, found {found}")
     if bounds is not None and (bounds[0] < 0 or bounds[1] >= vocab_size):
         return ValueError(
             f"input_ids: expected ids in [0, {vocab_size}) (config.vocab_size), found {bounds[0]}..{bounds[1]}"
         )
+    return None
+
+
+def position_ids_error(*, integer: bool, found: str, shape: tuple | None, input_shape: tuple,
+                       smallest: int | None):
+    """The error for a whole-text forward's ``position_ids`` that are not integer positions >= 0 of
+    shape [B, T] or [1, T] (``input_shape`` = input_ids' (B, T)), or None. ``smallest`` is their
+    smallest value when known (None when traced or empty)."""
+    batch, length = input_shape
+    if not integer or shape is None or len(shape) != 2 or shape[1] != length or shape[0] not in (1, batch):
+        expected = f"[{batch}, {length}]" + (f" (or [1, {length}])" if batch != 1 else "")
+        return ValueError(f"position_ids: expected an integer tensor {expected} like input_ids, found {found}")
+    if smallest is not None and smallest < 0:
+        return ValueError(f"position_ids: expected positions >= 0, found {smallest}")
     return None
 
 
