@@ -220,6 +220,8 @@ def test_openai_wrapped_and_bare_tools_render_the_same(fast_tokenizer):
     ([{"role": "user", "content": "a"}, {"role": "assistant", "content": "Sure, done!"}], "tool calls only"),
     ([{"role": "assistant", "tool_calls": []}, {"role": "user", "content": "a"}], "only after the user message"),
     ([{"role": "user", "content": [{"type": "image", "url": "x.png"}]}], "text only"),
+    ([{"role": "user", "content": 5}], "content must be a string or a list of text parts; got 5"),
+    ([{"role": "user", "content": {"type": "text", "text": "a"}}], "content must be a string or a list of text parts"),
     ([{"role": "user", "content": "a"}, {"role": "assistant", "tool_calls": [{"arguments": {}}]}], "string 'name'"),
 ])
 def test_conversations_outside_the_trained_format_are_refused(messages, problem, fast_tokenizer):

@@ -91,6 +91,8 @@ _TEMPLATE = r"""
     {%- if content is string -%}
         {{- content -}}
     {%- elif content is none -%}
+    {%- elif content is mapping or content is not iterable -%}
+        {{- raise_exception("Message content must be a string or a list of text parts; got " ~ content ~ ".") -}}
     {%- else -%}
         {%- for part in content -%}
             {%- if part["type"] != "text" -%}
