@@ -462,6 +462,16 @@ def _checked_source(source: str) -> str:
     return source
 
 
+def _checked_tokenizer_source(source: str) -> str:
+    """``source`` if it is a folder or reads as a Hub id (`_checked_source`'s rule, for a tokenizer)."""
+    path = Path(source).expanduser()
+    if path.is_dir():
+        return str(path)
+    if path.exists() or not _HUB_ID.fullmatch(source) or ".." in source:
+        raise FileNotFoundError(f"tokenizer: no folder at {source}, and it is not a Hub id ('name' or 'owner/name')")
+    return source
+
+
 def load_backend(model, *, framework: Optional[str] = None, tokenizer=None, grammar: bool = True,
                  compile: bool = False, device=None, cpu_threads: int = 1):
     """A backend for ``model``: a folder, a Hub id, or a loaded `NeedleForCausalLM` / `FlaxNeedleForCausalLM`.
@@ -484,6 +494,12 @@ def load_backend(model, *, framework: Optional[str] = None, tokenizer=None, gram
         raise ValueError(f"framework: expected one of {FRAMEWORKS}, got {framework!r}")
     if isinstance(cpu_threads, bool) or not isinstance(cpu_threads, int) or cpu_threads < 1:
         raise ValueError(f"cpu_threads: expected a positive int, got {cpu_threads!r}")
+    for name, flag in (("grammar", grammar), ("compile", compile)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name}: expected True or False, got {flag!r}")
+    if not isinstance(model, (str, os.PathLike)) and not hasattr(getattr(model, "config", None), "model_type"):
+        raise TypeError(f"model: expected a converted Needle folder, a Hub id or a loaded Needle model, got "
+                        f"{type(model).__name__}: {model!r:.80}")
     if isinstance(model, (str, os.PathLike)):
         source = _checked_source(os.fspath(model))
         framework = framework or "pt"
@@ -492,7 +508,10 @@ def load_backend(model, *, framework: Optional[str] = None, tokenizer=None, gram
 
             model = AutoModelForCausalLM.from_pretrained(source, torch_dtype="float32")
             if device is not None:
-                model = model.to(device)
+                try:
+                    model = model.to(device)
+                except RuntimeError as error:
+                    raise ValueError(f"device: {error}") from None
         else:
             from transformers import FlaxAutoModelForCausalLM
 
@@ -516,6 +535,12 @@ def load_backend(model, *, framework: Optional[str] = None, tokenizer=None, gram
         if not source:
             raise ValueError("tokenizer: the model has no folder to read its tokenizer from; pass tokenizer=")
         tokenizer = folder_tokenizer(source, max_positions=model.config.max_position_embeddings)
+    elif isinstance(tokenizer, (str, os.PathLike)):
+        tokenizer = folder_tokenizer(_checked_tokenizer_source(os.fspath(tokenizer)),
+                                     max_positions=model.config.max_position_embeddings)
+    elif not callable(getattr(tokenizer, "apply_chat_template", None)):
+        raise TypeError(f"tokenizer: expected a tokenizer, or a folder or Hub id holding one, got "
+                        f"{type(tokenizer).__name__}: {tokenizer!r:.80}")
     if framework == "pt":
         return TorchBackend(model, tokenizer, grammar=grammar, compile=compile, cpu_threads=cpu_threads)
     if compile:

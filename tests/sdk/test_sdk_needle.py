@@ -419,6 +419,19 @@ def test_bad_arguments_get_clear_errors(folder):
         needle_hf.Needle(folder, cpu_threads=0)
     with pytest.raises(TypeError, match="system: expected a str, got int"):
         needle_hf.Needle(folder, system=5)
+    with pytest.raises(TypeError, match="model: expected a converted Needle folder, a Hub id or a loaded Needle model, got int"):
+        needle_hf.Needle(5)
+    with pytest.raises(TypeError, match="compile: expected True or False, got 'yes'"):
+        needle_hf.Needle(folder, compile="yes")
+    with pytest.raises(TypeError, match="grammar: expected True or False, got None"):
+        needle_hf.Needle(folder, grammar=None)
+    with pytest.raises(TypeError, match="tokenizer: expected a tokenizer, or a folder or Hub id holding one, got int"):
+        needle_hf.Needle(folder, tokenizer=5)
+    with pytest.raises(FileNotFoundError, match="tokenizer: no folder at /no/such/tokenizer"):
+        needle_hf.Needle(folder, tokenizer="/no/such/tokenizer")
+    with pytest.raises(ValueError, match="device: "):
+        needle_hf.Needle(folder, device="no-such-device")
+    assert needle_hf.Needle(folder, tokenizer=folder).complete("Set an alarm for 6:30.", MAX_NEW_TOKENS)["success"]
     from needle_hf.generation.grammar import ToolGrammarError
 
     bad_parameters = {"name": "x", "parameters": {"type": "object", "properties": {"a": 5}}}
