@@ -478,7 +478,8 @@ def load_backend(model, *, framework: Optional[str] = None, tokenizer=None, gram
 
     Args:
         framework: "pt" or "flax"; None: "pt" for a name, the model's own for a loaded model.
-        tokenizer: default: the folder's (of a loaded model's ``name_or_path``), `folder_tokenizer`.
+        tokenizer: a tokenizer, or a folder or Hub id holding one (`folder_tokenizer`); default: the
+            model folder's (of a loaded model's ``name_or_path``).
         grammar: constrain answers with `needle_hf.generation.grammar` (when llguidance is installed).
         compile: PyTorch only: decode with a static cache and compiled layer programs (README, "Fast
             decoding"); the first call compiles.

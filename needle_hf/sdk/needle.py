@@ -140,7 +140,7 @@ class Needle:
             pydantic models, schema dicts, or a JSON string of a list of schemas.
         system: the system text.
         framework: "pt" (default for a name) or "flax".
-        tokenizer: default: the model folder's.
+        tokenizer: a tokenizer, or a folder or Hub id holding one; default: the model folder's.
         grammar: constrain every answer to a valid call of the offered tools (needs llguidance,
             the `[grammar]` extra; without it decoding is unconstrained). False turns it off.
         top_k_tools: retrieval width (see the module docstring); None: offer every tool.
