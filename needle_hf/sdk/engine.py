@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 import time
 from pathlib import Path
 from typing import Optional, Sequence
@@ -442,33 +441,26 @@ def folder_tokenizer(source: str, *, max_positions: int):
     return AutoTokenizer.from_pretrained(source)
 
 
-# A Hub id: "name" or "owner/name" (huggingface_hub's rule, shortened: letters, digits, "-", "_", ".").
-_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+def _checked_source(source: str, *, argument: str) -> str:
+    """``source`` if it is a folder (for ``argument="model"``, one with a config.json) or reads as a Hub
+    id (huggingface_hub's `validate_repo_id`); else an error naming ``argument`` that says what it is."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
 
-
-def _checked_source(source: str) -> str:
-    """``source`` if it is a folder or reads as a Hub id; else an error that says what it is instead."""
     path = Path(source).expanduser()
     if path.is_dir():
-        if not (path / "config.json").is_file():
+        if argument == "model" and not (path / "config.json").is_file():
             raise ValueError(f"model: {source} has no config.json: expected a converted Needle folder "
                              "(`needle-hf convert` makes one from a native .pkl or .cact)")
         return str(path)
     if path.exists():
-        raise ValueError(f"model: {source} is a file, expected a converted Needle folder (config.json and "
-                         "weights) or a Hub id; a native .pkl or .cact converts with `needle-hf convert`")
-    if not _HUB_ID.fullmatch(source) or ".." in source:
-        raise FileNotFoundError(f"model: no folder at {source}, and it is not a Hub id ('name' or 'owner/name')")
-    return source
-
-
-def _checked_tokenizer_source(source: str) -> str:
-    """``source`` if it is a folder or reads as a Hub id (`_checked_source`'s rule, for a tokenizer)."""
-    path = Path(source).expanduser()
-    if path.is_dir():
-        return str(path)
-    if path.exists() or not _HUB_ID.fullmatch(source) or ".." in source:
-        raise FileNotFoundError(f"tokenizer: no folder at {source}, and it is not a Hub id ('name' or 'owner/name')")
+        expected = ("a converted Needle folder (config.json and weights) or a Hub id; a native .pkl or .cact "
+                    "converts with `needle-hf convert`") if argument == "model" else "a folder or a Hub id"
+        raise ValueError(f"{argument}: {source} is a file, expected {expected}")
+    try:
+        validate_repo_id(source)
+    except HFValidationError:
+        raise FileNotFoundError(f"{argument}: no folder at {source}, and it is not a Hub id ('name' or "
+                                "'owner/name')") from None
     return source
 
 
@@ -502,7 +494,7 @@ def load_backend(model, *, framework: Optional[str] = None, tokenizer=None, gram
         raise TypeError(f"model: expected a converted Needle folder, a Hub id or a loaded Needle model, got "
                         f"{type(model).__name__}: {model!r:.80}")
     if isinstance(model, (str, os.PathLike)):
-        source = _checked_source(os.fspath(model))
+        source = _checked_source(os.fspath(model), argument="model")
         framework = framework or "pt"
         if framework == "pt":
             from transformers import AutoModelForCausalLM
@@ -537,7 +529,7 @@ def load_backend(model, *, framework: Optional[str] = None, tokenizer=None, gram
             raise ValueError("tokenizer: the model has no folder to read its tokenizer from; pass tokenizer=")
         tokenizer = folder_tokenizer(source, max_positions=model.config.max_position_embeddings)
     elif isinstance(tokenizer, (str, os.PathLike)):
-        tokenizer = folder_tokenizer(_checked_tokenizer_source(os.fspath(tokenizer)),
+        tokenizer = folder_tokenizer(_checked_source(os.fspath(tokenizer), argument="tokenizer"),
                                      max_positions=model.config.max_position_embeddings)
     elif not callable(getattr(tokenizer, "apply_chat_template", None)):
         raise TypeError(f"tokenizer: expected a tokenizer, or a folder or Hub id holding one, got "

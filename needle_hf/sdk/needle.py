@@ -43,6 +43,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
+from ..finetune.data import checked_option
 from ..tools.tool_calls import ToolCallParseError, parse_assistant_turn
 from . import validation
 from .tools_schema import is_pydantic_model, tool_schema_of
@@ -119,12 +120,6 @@ def _checked_text(name: str, value) -> str:
     return value
 
 
-def _checked_count(name: str, value, *, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}")
-    return value
-
-
 def _tool_text(schema: dict) -> str:
     """The text a tool is embedded from (as `needle_hf.tools.tool_routing.tool_text`): compact JSON of the schema."""
     return json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
@@ -191,7 +186,7 @@ class Needle:
         A call that raises (bad arguments, an interrupted generation) leaves the conversation as it
         was before it."""
         _checked_text("text", text)
-        _checked_count("max_new_tokens", max_new_tokens, minimum=1)
+        max_new_tokens = checked_option("max_new_tokens", max_new_tokens, low=1, integer=True)
         with self._turn():
             return self._complete(text, max_new_tokens)
 
@@ -214,8 +209,8 @@ class Needle:
         before it (the functions it called have run).
         """
         _checked_text("query", query)
-        _checked_count("max_steps", max_steps, minimum=0)
-        _checked_count("max_new_tokens", max_new_tokens, minimum=1)
+        max_steps = checked_option("max_steps", max_steps, low=0, integer=True)
+        max_new_tokens = checked_option("max_new_tokens", max_new_tokens, low=1, integer=True)
         with self._turn():
             return self._run(query, max_steps, max_new_tokens, strict=strict)
 
@@ -248,8 +243,8 @@ class Needle:
         """Answer each query on its own, as `complete` right after `reset()` would, decoding
         ``batch_size`` prompts at a time (queries offered the same tools share a batch). The
         conversation is reset afterwards."""
-        _checked_count("batch_size", batch_size, minimum=1)
-        _checked_count("max_new_tokens", max_new_tokens, minimum=1)
+        batch_size = checked_option("batch_size", batch_size, low=1, integer=True)
+        max_new_tokens = checked_option("max_new_tokens", max_new_tokens, low=1, integer=True)
         if isinstance(queries, str) or not isinstance(queries, Sequence):
             raise TypeError(f"queries: expected a list of str, got {type(queries).__name__}")
         for index, query in enumerate(queries):
@@ -449,17 +444,15 @@ def _validate_extraction(text: str, schema: dict, arguments: dict, envelope: dic
 
 def _extract(backend, text, schema, *, system, max_new_tokens, strict, top_k_tools=DEFAULT_TOP_K_TOOLS):
     _checked_text("text", text)
-    _named_schema(schema, where="schema")
-    if system is not None:
-        _checked_text("system", system)
-    agent = Needle(backend, tools=[schema], system=system, top_k_tools=top_k_tools)
+    resolved = _named_schema(schema, where="schema")
+    agent = Needle(backend, tools=[resolved], system=system, top_k_tools=top_k_tools)
     envelope = agent.complete(text, max_new_tokens)
     calls = envelope["function_calls"]
     if not calls:
         return None
     arguments = calls[0]["arguments"]
     if strict:
-        _validate_extraction(text, tool_schema_of(schema), arguments, envelope, system)
+        _validate_extraction(text, resolved, arguments, envelope, system)
     return schema(**arguments) if is_pydantic_model(schema) else arguments
 
 

@@ -458,10 +458,10 @@ def test_bad_call_arguments_get_clear_errors_and_leave_the_conversation_alone(ag
     calls = [
         (TypeError, "text: expected a str, got NoneType", lambda: agent.complete(None)),
         (TypeError, "text: expected a str, got int", lambda: agent.complete(5)),
-        (ValueError, "max_new_tokens: expected an int >= 1, got 0", lambda: agent.complete("hi", 0)),
-        (ValueError, "max_new_tokens: expected an int >= 1, got True", lambda: agent.complete("hi", True)),
+        (ValueError, "max_new_tokens: expected an int >= 1, found 0", lambda: agent.complete("hi", 0)),
+        (ValueError, "max_new_tokens: expected an int >= 1, found True", lambda: agent.complete("hi", True)),
         (TypeError, "query: expected a str, got list", lambda: agent.run(["hi"])),
-        (ValueError, "max_steps: expected an int >= 0, got -1", lambda: agent.run("hi", max_steps=-1)),
+        (ValueError, "max_steps: expected an int >= 0, found -1", lambda: agent.run("hi", max_steps=-1)),
         (TypeError, "queries: expected a list of str, got str", lambda: agent.complete_batch("hi")),
         (TypeError, r"queries\[1\]: expected a str, got int", lambda: agent.complete_batch(["hi", 2])),
         (TypeError, "schema: expected a function, a pydantic model or a schema dict, got int",

@@ -18,14 +18,21 @@ from .projections_flax_needle import with_decoding_kernels
 from .specification_needle import check_positions, position_ids_error, prompt_ids_error
 
 
+def _as_array(value):
+    """``value`` as something with a shape and a dtype (a ragged list becomes a float scalar, refused
+    by the checks as not integer)."""
+    if hasattr(value, "shape") and hasattr(value, "dtype"):
+        return value
+    try:
+        return np.asarray(value)
+    except ValueError:
+        return np.asarray(0.0)
+
+
 def check_prompt_ids(input_ids, vocab_size: int) -> None:
     """`generate`'s prompt: integer ids [B, T] in [0, vocab_size) (`prompt_ids_error`; the range is
     checked on concrete values only, not on a jit tracer)."""
-    if not (hasattr(input_ids, "shape") and hasattr(input_ids, "dtype")):
-        try:
-            input_ids = np.asarray(input_ids)
-        except ValueError:
-            input_ids = np.asarray(0.0)  # ragged: refused below
+    input_ids = _as_array(input_ids)
     integer_matrix = len(input_ids.shape) == 2 and jnp.issubdtype(input_ids.dtype, jnp.integer)
     concrete = integer_matrix and not isinstance(input_ids, jax.core.Tracer) and input_ids.size
     values = np.asarray(input_ids) if concrete else None
@@ -45,11 +52,7 @@ def check_position_ids(position_ids, input_shape) -> None:
     (``input_shape`` = (B, T); `position_ids_error`; the sign is checked on concrete values only)."""
     if position_ids is None:
         return
-    if not (hasattr(position_ids, "shape") and hasattr(position_ids, "dtype")):
-        try:
-            position_ids = np.asarray(position_ids)
-        except ValueError:
-            position_ids = np.asarray(0.0)  # ragged: refused below
+    position_ids = _as_array(position_ids)
     integer = jnp.issubdtype(position_ids.dtype, jnp.integer)
     concrete = integer and not isinstance(position_ids, jax.core.Tracer) and position_ids.size
     error = position_ids_error(

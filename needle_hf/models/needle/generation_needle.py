@@ -45,15 +45,25 @@ def torch_threads(threads: Optional[int]):
         torch.set_num_threads(previous)
 
 
+def is_integer_tensor(value) -> bool:
+    return isinstance(value, torch.Tensor) and not value.is_floating_point() and not value.is_complex() \
+        and value.dtype != torch.bool
+
+
+def tensor_description(value) -> str:
+    """What an ids argument was, for an error: its dtype and shape, or its type."""
+    if isinstance(value, torch.Tensor):
+        return f"{value.dtype} of shape {tuple(value.shape)}"
+    return type(value).__name__
+
+
 def check_prompt_ids(input_ids, vocab_size: int) -> None:
     """`generate`'s prompt: an integer tensor [B, T] of ids in [0, vocab_size) (`prompt_ids_error`)."""
-    is_tensor = isinstance(input_ids, torch.Tensor)
-    integer_matrix = is_tensor and input_ids.dim() == 2 and not input_ids.is_floating_point() \
-        and input_ids.dtype not in (torch.bool, torch.complex64, torch.complex128)
+    integer_matrix = is_integer_tensor(input_ids) and input_ids.dim() == 2
     bounds = (int(input_ids.min()), int(input_ids.max())) if integer_matrix and input_ids.numel() else None
     error = prompt_ids_error(
         integer_matrix=integer_matrix,
-        found=f"{input_ids.dtype} of shape {tuple(input_ids.shape)}" if is_tensor else type(input_ids).__name__,
+        found=tensor_description(input_ids),
         tokens=input_ids.shape[1] if integer_matrix else None,
         bounds=bounds,
         vocab_size=vocab_size,
@@ -67,13 +77,11 @@ def check_position_ids(position_ids, input_shape) -> None:
     (``input_shape`` = (B, T); `position_ids_error`)."""
     if position_ids is None:
         return
-    is_tensor = isinstance(position_ids, torch.Tensor)
-    integer = is_tensor and not position_ids.is_floating_point() and not position_ids.is_complex() \
-        and position_ids.dtype != torch.bool
+    integer = is_integer_tensor(position_ids)
     error = position_ids_error(
         integer=integer,
-        found=f"{position_ids.dtype} of shape {tuple(position_ids.shape)}" if is_tensor else type(position_ids).__name__,
-        shape=tuple(position_ids.shape) if is_tensor else None,
+        found=tensor_description(position_ids),
+        shape=tuple(position_ids.shape) if isinstance(position_ids, torch.Tensor) else None,
         input_shape=tuple(input_shape),
         smallest=int(position_ids.min()) if integer and position_ids.numel() else None,
     )

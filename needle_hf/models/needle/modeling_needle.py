@@ -75,6 +75,7 @@ from .deploy_numerics import (  # deploy numerics hooks
 )
 from .engram_needle import NeedleEngram, NeedleEngramMemoryMixin, add_engram_read, engram_window_memory  # noqa: F401  (re-exported)
 from .generation_needle import NeedleGenerationMixin, check_position_ids, check_prompt_ids  # noqa: F401  (re-exported)
+from .generation_needle import is_integer_tensor, tensor_description
 from .heads_needle import NeedleConfidenceHead, NeedleContrastiveHead, NeedleHeadsMixin, probe_pool, tied_logits  # noqa: F401  (re-exported)
 from .hadamard_mlp_needle import NeedleHadamardMLP
 from .hyper_connections_needle import NeedleHyperConnection
@@ -773,12 +774,9 @@ class NeedleForCausalLM(NeedlePreTrainedModel, NeedleGenerationMixin, NeedleHead
             if logits.shape[1] != input_ids.shape[1]:
                 raise ValueError("labels need the logits of every position: leave logits_to_keep at 0")
             for name, value in (("labels", labels), ("shift_labels", shift_labels)):
-                if value is not None and (not isinstance(value, torch.Tensor) or value.is_floating_point()
-                                          or tuple(value.shape) != tuple(input_ids.shape)):
-                    found = f"{value.dtype} of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) \
-                        else type(value).__name__
+                if value is not None and (not is_integer_tensor(value) or value.shape != input_ids.shape):
                     raise ValueError(f"{name}: expected integer token ids of shape {tuple(input_ids.shape)} like "
-                                     f"input_ids (-100: no target), found {found}")
+                                     f"input_ids (-100: no target), found {tensor_description(value)}")
             loss = self.loss_function(
                 logits=logits,
                 labels=labels,
