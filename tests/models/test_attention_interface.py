@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from needle_reference import TINY_NATIVE_CONFIG, make_native_params
+from transformers.cache_utils import DynamicCache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from needle_hf.models.needle.configuration_needle import NeedleConfig
@@ -86,3 +87,48 @@ def test_vllm_generic_backend_is_not_offered():
     # Needle is served by its own vLLM model (needle_hf.serving.vllm).
     assert NeedlePreTrainedModel._supports_attention_backend is False
     assert NeedleForCausalLM._supports_attention_backend is False
+
+
+def test_a_whole_prompt_runs_as_blocks_of_query_rows_with_the_same_logits(model, monkeypatch):
+    """A prompt longer than CAUSAL_QUERY_ROWS, unpadded: sdpa on the CPU runs its rows in blocks over
+    the keys up to each block's end (`plain_causal`), and gives eager's logits; with left padding the
+    mask is not plain causal and sdpa runs over it whole."""
+    from needle_hf.models.needle import ops_needle
+
+    length = ops_needle.CAUSAL_QUERY_ROWS + 37
+    ids = torch.randint(1, TINY_NATIVE_CONFIG["vocab_size"], (2, length), generator=torch.Generator().manual_seed(5))
+    padded = torch.ones_like(ids)
+    padded[1, :4] = 0
+    query_rows: list = []
+    kernel = torch.nn.functional.scaled_dot_product_attention
+
+    def recording(query, *args, **kwargs):
+        query_rows.append(query.shape[2])
+        return kernel(query, *args, **kwargs)
+
+    monkeypatch.setattr(ops_needle.F, "scaled_dot_product_attention", recording)
+    with torch.no_grad():
+        for mask, plain in ((None, True), (torch.ones_like(ids), True), (padded, False)):
+            inputs = {"input_ids": ids, "attention_mask": mask}
+            step = model.model.call_step_inputs(ids, mask, None, None)
+            assert step.plain_causal is plain
+            model.set_attn_implementation("eager")
+            eager = model(**inputs, use_cache=False).logits
+            model.set_attn_implementation("sdpa")
+            query_rows.clear()
+            blocks = model(**inputs, use_cache=False).logits
+            layers = model.config.num_hidden_layers
+            assert query_rows == ([ops_needle.CAUSAL_QUERY_ROWS, 37] * layers if plain else [length] * layers)
+            torch.testing.assert_close(blocks, eager, atol=TOLERANCE, rtol=TOLERANCE)
+        model.set_attn_implementation("eager")
+
+
+def test_a_decoding_step_is_not_plain_causal(model):
+    ids = torch.randint(1, TINY_NATIVE_CONFIG["vocab_size"], (1, 80), generator=torch.Generator().manual_seed(6))
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=ids[:, :79], cache=cache, use_cache=True)
+        step = model.model.call_step_inputs(ids[:, 79:], None, None, cache)
+        assert step.plain_causal is False  # one query over cached keys
+        window = model.model.call_step_inputs(ids, None, None, None, attention_window=16)
+        assert window.plain_causal is False  # a sliding window is not the plain causal mask

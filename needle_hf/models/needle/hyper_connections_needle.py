@@ -10,7 +10,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from .configuration_needle import NeedleConfig
-from .norms_needle import rms_unit
 from .numerics import HYPER_CONNECTION_ALPHA_INIT, HYPER_CONNECTION_RES_BIAS_INIT
 from .ops_needle import sinkhorn
 
@@ -40,26 +39,23 @@ class NeedleHyperConnection(nn.Module):
         # Layer i owns lane i mod lanes: fixed logit offsets (not parameters), `step.pre_offsets[i]`.
         self.layer_idx = layer_idx
 
-    @staticmethod
-    def _scaled_projection(unit: torch.Tensor, proj: nn.Linear, alpha: torch.Tensor) -> torch.Tensor:
-        """``alpha * (x̂ @ W.T)`` in float32."""
-        return alpha.float() * F.linear(unit, proj.weight.float())
-
     def route(
         self, lanes: torch.Tensor, lane_offsets: tuple[torch.Tensor, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """lanes: [B, T, L, D], lane_offsets: this layer's (pre, post) [L] float32 (`step.pre_offsets[i]`,
         `step.post_offsets[i]`) -> (read weights [B, T, L], write weights [B, T, L], mixing [B, T, L, L]), float32."""
         batch, length, n, width = lanes.shape
-        unit = rms_unit(lanes.reshape(batch, length, n * width), self.eps)  # [B, T, L * D]
+        flat = lanes.reshape(batch, length, n * width).float()  # [B, T, L * D]
+        # x̂ @ W.T is (x @ W.T) / rms(x) row by row: the three projections read the lanes once, as one
+        # product, and neither x̂ nor x * x [B, T, L * D] is made (two passes over a prompt's lanes fewer).
+        mean_square = torch.linalg.vector_norm(flat, dim=-1, keepdim=True).square() / (n * width)  # [B, T, 1]
+        weights = torch.cat([self.pre_proj.weight, self.post_proj.weight, self.res_proj.weight]).float()
+        projected = F.linear(flat, weights) * torch.rsqrt(mean_square + self.eps)  # [B, T, 2L + L * L]
+        pre, post, res = projected.split([n, n, n * n], dim=-1)
         pre_offset, post_offset = lane_offsets
-        read = torch.sigmoid(
-            self._scaled_projection(unit, self.pre_proj, self.pre_alpha) + self.pre_bias.float() + pre_offset
-        )
-        write = 2 * torch.sigmoid(
-            self._scaled_projection(unit, self.post_proj, self.post_alpha) + self.post_bias.float() + post_offset
-        )
-        mix_logits = self._scaled_projection(unit, self.res_proj, self.res_alpha).view(batch, length, n, n)
+        read = torch.sigmoid(self.pre_alpha.float() * pre + self.pre_bias.float() + pre_offset)
+        write = 2 * torch.sigmoid(self.post_alpha.float() * post + self.post_bias.float() + post_offset)
+        mix_logits = (self.res_alpha.float() * res).view(batch, length, n, n)
         mixing = sinkhorn(mix_logits + self.res_bias.float())
         return read, write, mixing
 

@@ -241,7 +241,7 @@ class NeedleAttention(nn.Module):
         elif self.config._attn_implementation != "eager":  # transformers 4.57
             attention_interface = ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]
         if step.attention_implementation is None:
-            attention_interface = cpu_grouped_sdpa(attention_interface, q)
+            attention_interface = cpu_grouped_sdpa(attention_interface, q, plain_causal=step.plain_causal)
         layout = step.packed_layout
         if layout is not None:  # packed sequences one per row: [Q, N, M, H]
             q, k, v = layout.pack(q), layout.pack(k), layout.pack(v)
@@ -336,7 +336,8 @@ class NeedleDecoderLayer(NeedleBlock, GradientCheckpointingLayer):
         x = u if engram_key is None else add_engram_read(u, engram_key, engram_value, self.hyper_connection.eps)
         y, probs = self.block(x, step, cache=cache, **attention_kwargs)
         y = y - u
-        mixed = torch.matmul(mixing, lanes_f32) + write[..., None] * y.float()[:, :, None, :]  # [B, T, L, D]
+        mixed = torch.matmul(mixing, lanes_f32)  # [B, T, L, D]
+        mixed.addcmul_(write[..., None], y.float()[:, :, None, :])  # in place: no second [B, T, L, D] tensor
         return mixed.to(lanes.dtype), probs
 
 

@@ -51,6 +51,9 @@ class NeedleStepInputs:
         position sees every visible position before it).
     packed_layout: a packed batch's sequences one per row (`PackedLayout`); attention then runs over
         that layout, and ``attention_mask`` is its [Q, 1, M, M] mask.
+    plain_causal: ``attention_mask`` is the plain causal mask over S = T keys (a whole prompt without
+        padding, window or packing), so a kernel may run its causal mode instead of reading it
+        (`grouped_sdpa_attention_forward`); decided outside traced graphs only.
     """
 
     key_visible: torch.Tensor
@@ -64,6 +67,7 @@ class NeedleStepInputs:
     attention_implementation: Optional[str] = None
     engram_lookback: Optional[torch.Tensor] = None
     packed_layout: Optional[PackedLayout] = None
+    plain_causal: bool = False
 
 
 class NeedleStepInputsMixin:
@@ -183,6 +187,11 @@ class NeedleStepInputsMixin:
             post_offsets=self.constant("post_offsets", device, torch.float32),
             engram_lookback=lookback,
             packed_layout=layout,
+            plain_causal=(
+                not traced and layout is None and sees is None and key_length == length and length > 1
+                and (attention_window == 0 or attention_window >= length)
+                and int(past_length) == 0 and bool(key_visible.all())
+            ),
         )
 
     def sequence_segments(
