@@ -306,7 +306,7 @@ class FlaxBackend(_Backend):
         def step(params, ids, mask, positions, cache):
             """-> (last logits [B, V] float32, cache, cells [B, T, L + 1, D] of the fed tokens or None)."""
             out = model(ids, attention_mask=mask, position_ids=positions, params=params, past_key_values=cache,
-                        output_hidden_states=cells)
+                        output_hidden_states=cells, logits_to_keep=1)
             fed = jnp.stack(out.hidden_states, axis=2) if cells else None  # x0 and each layer's lane mean
             return out.logits[:, -1].astype("float32"), out.past_key_values, fed
 

@@ -308,3 +308,52 @@ def test_gradient_checkpointing_gives_the_same_gradients(tiny_checkpoints):
         got = gradient(model.params)
         for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(want), jax.tree_util.tree_leaves(got)):
             np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-6, rtol=1e-5, err_msg=str(path))
+
+
+def test_causal_attention_in_blocks_is_the_whole_attention():
+    from needle_hf.models.needle.modeling_flax_needle import _grouped_attention, causal_attention_in_blocks
+    from needle_hf.models.needle.numerics import CAUSAL_QUERY_ROWS
+
+    keys = jax.random.split(jax.random.PRNGKey(4), 3)
+    batch, kv_heads, groups, length, width = 2, 2, 2, CAUSAL_QUERY_ROWS + 45, 16
+    q = jax.random.normal(keys[0], (batch, kv_heads, groups, length, width))
+    k = jax.random.normal(keys[1], (batch, kv_heads, width, length))
+    v = jax.random.normal(keys[2], (batch, kv_heads, length, width))
+    positions = np.arange(length)
+    visible = np.ones((batch, length), bool)
+    visible[1, :7] = False  # left padding: those rows see themselves only
+    allowed = ((positions[None, :] <= positions[:, None])[None] & visible[:, None, :]) | np.eye(length, dtype=bool)[None]
+    mask = jnp.asarray(allowed)[:, None, None]  # [B, 1, 1, T, S]
+    scale = jnp.sqrt(jnp.float32(width))
+    whole, _ = _grouped_attention(q, k, v, mask, scale)
+    np.testing.assert_allclose(np.asarray(causal_attention_in_blocks(q, k, v, mask, scale)), np.asarray(whole), atol=1e-5)
+
+
+def test_a_cached_prompt_longer_than_a_block_gives_the_uncached_logits(tiny_model):
+    """A prompt written at the cache's start runs its attention in blocks (`causal_attention_in_blocks`);
+    a second chunk written later attends over the whole cache. Both give the uncached forward's logits."""
+    from needle_hf.models.needle.numerics import CAUSAL_QUERY_ROWS
+
+    length = CAUSAL_QUERY_ROWS + 36
+    tokens = random_tokens(8, 1, length, TINY_NATIVE_CONFIG["vocab_size"])
+    whole = np.asarray(_forward(tiny_model, tokens).logits)
+    forward = jax.jit(lambda p, t, m, pos, c: tiny_model(t, attention_mask=m, position_ids=pos, params=p, past_key_values=c))
+    mask = np.ones((1, 128), np.int32)
+    first = forward(tiny_model.params, tokens, mask, np.arange(length)[None], tiny_model.init_cache(1, 128))
+    np.testing.assert_allclose(np.asarray(first.logits), whole, atol=F32_TOL, rtol=F32_TOL)
+    split = length - CAUSAL_QUERY_ROWS - 1  # the second chunk is still longer than a block
+    head = forward(tiny_model.params, tokens[:, :split], mask, np.arange(split)[None], tiny_model.init_cache(1, 128))
+    tail = forward(tiny_model.params, tokens[:, split:], mask, np.arange(split, length)[None], head.past_key_values)
+    np.testing.assert_allclose(np.asarray(tail.logits), whole[:, split:], atol=F32_TOL, rtol=F32_TOL)
+
+
+def test_logits_to_keep_keeps_the_last_positions_logits(tiny_model):
+    tokens = random_tokens(9, 2, 12, TINY_NATIVE_CONFIG["vocab_size"])
+    whole = np.asarray(tiny_model(tokens).logits)
+    for keep in (1, 3):
+        kept = np.asarray(tiny_model(tokens, logits_to_keep=keep).logits)
+        assert kept.shape == (2, keep, TINY_NATIVE_CONFIG["vocab_size"])
+        np.testing.assert_allclose(kept, whole[:, -keep:], atol=1e-6)
+    for bad in (-1, 1.5, True, "1"):
+        with pytest.raises(ValueError, match=r"logits_to_keep: expected an int >= 0 \(0 keeps all\), found"):
+            tiny_model(tokens, logits_to_keep=bad)

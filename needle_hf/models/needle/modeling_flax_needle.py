@@ -60,7 +60,13 @@ from .loading_flax_needle import (
 from .masking_flax_needle import attention_allowed, packed_segment_ids
 from .mtp_flax_needle import FlaxNeedleMTPHead, text_mtp_hidden
 from .norms_flax_needle import FlaxNeedleRMSNorm, rms_unit, zero_centred_rms_norm  # noqa: F401  (re-exported)
-from .numerics import ATTENTION_GATE_INIT, FUSED_QKVG_PROJECTIONS, hyper_connection_offsets, rope_inverse_frequencies
+from .numerics import (
+    ATTENTION_GATE_INIT,
+    CAUSAL_QUERY_ROWS,
+    FUSED_QKVG_PROJECTIONS,
+    hyper_connection_offsets,
+    rope_inverse_frequencies,
+)
 from .ops_flax_needle import (  # noqa: F401  (re-exported: the twin ops table)
     apply_rotary,
     engram_hash_indices,
@@ -160,10 +166,17 @@ class FlaxNeedleAttention(nn.Module):
                 # With several rows XLA fuses that sum into the o_proj matmul, a kernel slower than
                 # the matmul alone; a dot stays unfused.
                 out = jnp.einsum("bkgts,bksh->bkgth", weights, v.astype(jnp.float32)).astype(v.dtype)
+        elif kv_cache is not None and not output_attentions and CAUSAL_QUERY_ROWS < t <= k.shape[-1]:
+            # A prompt written at the cache's start (`generate`'s first forward, the SDK's prefill) sees
+            # only its own keys: its attention runs in blocks of query rows over them; one written
+            # later attends over the whole cache.
+            out = jax.lax.cond(
+                kv_cache.write_index == 0,
+                lambda: causal_attention_in_blocks(q, k[..., :t], v[:, :, :t], mask[..., :t], scale),
+                lambda: _grouped_attention(q, k, v, mask, scale)[0],
+            )
         else:
-            scores = jnp.einsum("bkgth,bkhs->bkgts", q, k, preferred_element_type=jnp.float32)
-            probs = jax.nn.softmax(jnp.where(mask, scores / scale, jnp.finfo(jnp.float32).min), axis=-1)
-            out = jnp.einsum("bkgts,bksh->bkgth", probs.astype(v.dtype), v)  # [B, K, G, T, H]
+            out, probs = _grouped_attention(q, k, v, mask, scale)  # [B, K, G, T, H]
         out = out.transpose(0, 3, 1, 2, 4)  # [B, T, K, G, H]
         out = out.reshape(b, t, cfg.attention_dim)
         out = out * nn.sigmoid(gate)
@@ -171,6 +184,27 @@ class FlaxNeedleAttention(nn.Module):
         weights = probs.reshape(b, cfg.num_attention_heads, t, -1) if output_attentions else None
         out = quantize_activations(out, cfg)  # deploy numerics hook
         return self.o_proj(out), kv_cache, weights
+
+
+def _grouped_attention(q, k, v, mask, scale):
+    """q [B, K, G, T, H], k [B, K, H, S], v [B, K, S, H], mask [B, 1, 1, T, S] (True = may attend)
+    -> (out [B, K, G, T, H], float32 probabilities [B, K, G, T, S])."""
+    scores = jnp.einsum("bkgth,bkhs->bkgts", q, k, preferred_element_type=jnp.float32)
+    probs = jax.nn.softmax(jnp.where(mask, scores / scale, jnp.finfo(jnp.float32).min), axis=-1)
+    return jnp.einsum("bkgts,bksh->bkgth", probs.astype(v.dtype), v), probs
+
+
+def causal_attention_in_blocks(q, k, v, mask, scale, rows: int = CAUSAL_QUERY_ROWS):
+    """`_grouped_attention`'s output over a causal mask (query t sees no key after t; S = T): query rows
+    [a, a + rows) attend over keys [0, a + rows) only, whose later keys are masked for all of them.
+    The same numbers up to float32 summation order (masked keys weigh exactly 0 either way)."""
+    t = q.shape[3]
+    blocks = []
+    for start in range(0, t, rows):
+        end = min(start + rows, t)
+        out, _ = _grouped_attention(q[:, :, :, start:end], k[..., :end], v[:, :, :end], mask[..., start:end, :end], scale)
+        blocks.append(out)
+    return jnp.concatenate(blocks, axis=3)
 
 
 class FlaxNeedleBlock(nn.Module):
@@ -425,13 +459,14 @@ class FlaxNeedleForCausalLMModule(nn.Module):
         output_hidden_states: bool = False,
         output_mtp_logits: bool = False,
         return_dict: bool = True,
+        logits_to_keep: int = 0,
     ):
         outputs = self.model(
             input_ids, attention_mask, position_ids, segment_ids=segment_ids, init_cache=init_cache,
             output_attentions=output_attentions, output_hidden_states=output_hidden_states,
         )
         hidden = outputs.last_hidden_state
-        logits = self.tied_logits(hidden)
+        logits = self.tied_logits(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)
         mtp_logits = None
         if output_mtp_logits or self.is_initializing():
             mtp_logits = (self.mtp_logits(input_ids, attention_mask, position_ids, hidden, segment_ids=segment_ids)
@@ -717,8 +752,12 @@ class FlaxNeedlePreTrainedModel(FlaxPreTrainedModel):
         output_mtp_logits: bool = False,
         lora: Optional[dict] = None,
         segment_ids=None,
+        logits_to_keep: int = 0,
     ):
         """Run the model on input_ids [B, T] (see the module classes for the outputs).
+
+        ``logits_to_keep``: the causal LM's logits of the last ``n`` positions only ([B, n, V]; 0, the
+        default, keeps all), as in the PyTorch model: a prompt's forward in generation needs the last.
 
         Packed (padding-free) batches: several sequences in a row, given by ``segment_ids`` [B, T]
         (sequence index of each token) or, without attention_mask and cache, by position_ids
@@ -762,8 +801,13 @@ class FlaxNeedlePreTrainedModel(FlaxPreTrainedModel):
                 raise ValueError("lora: pass the merged params (finetune_flax.merge_lora) to train under deploy numerics")
             variables["lora"] = lora
         options = dict(output_attentions=output_attentions, output_hidden_states=output_hidden_states, return_dict=return_dict)
+        if isinstance(logits_to_keep, bool) or not isinstance(logits_to_keep, int) or logits_to_keep < 0:
+            raise ValueError(f"logits_to_keep: expected an int >= 0 (0 keeps all), found {logits_to_keep!r}")
         if self.module_class is FlaxNeedleForCausalLMModule:
             options["output_mtp_logits"] = output_mtp_logits
+            options["logits_to_keep"] = logits_to_keep
+        elif logits_to_keep:
+            raise ValueError("logits_to_keep: the bare backbone returns hidden states, not logits")
         if past_key_values is not None:
             variables["cache"] = past_key_values
             outputs, updated = self.module.apply(

@@ -18,6 +18,7 @@ from transformers.utils import is_torchdynamo_compiling
 
 from .configuration_needle import NeedleConfig
 from .numerics import (
+    CAUSAL_QUERY_ROWS,
     ENGRAM_HASH_PRIME,
     ENGRAM_HASH_SHIFT,
     SINKHORN_ITERATIONS,
@@ -44,11 +45,6 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return (x * cos + rotated * sin).to(x.dtype)
-
-
-# Query rows per kernel call of a whole prompt's attention (`grouped_sdpa_attention_forward`): 64 took
-# 0.64-0.72x the time of one call at 300-485 tokens, 0.84x at 1000 (one thread; 32 and 128 close).
-CAUSAL_QUERY_ROWS = 64
 
 
 def grouped_sdpa_attention_forward(
