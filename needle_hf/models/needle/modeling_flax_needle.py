@@ -64,6 +64,7 @@ from .numerics import (
     ATTENTION_GATE_INIT,
     CAUSAL_QUERY_ROWS,
     FUSED_QKVG_PROJECTIONS,
+    causal_query_blocks,
     hyper_connection_offsets,
     rope_inverse_frequencies,
 )
@@ -194,16 +195,13 @@ def _grouped_attention(q, k, v, mask, scale):
     return jnp.einsum("bkgts,bksh->bkgth", probs.astype(v.dtype), v), probs
 
 
-def causal_attention_in_blocks(q, k, v, mask, scale, rows: int = CAUSAL_QUERY_ROWS):
+def causal_attention_in_blocks(q, k, v, mask, scale):
     """`_grouped_attention`'s output over a causal mask (query t sees no key after t; S = T): query rows
-    [a, a + rows) attend over keys [0, a + rows) only, whose later keys are masked for all of them.
-    The same numbers up to float32 summation order (masked keys weigh exactly 0 either way)."""
-    t = q.shape[3]
-    blocks = []
-    for start in range(0, t, rows):
-        end = min(start + rows, t)
-        out, _ = _grouped_attention(q[:, :, :, start:end], k[..., :end], v[:, :, :end], mask[..., start:end, :end], scale)
-        blocks.append(out)
+    [a, a + CAUSAL_QUERY_ROWS) attend over keys [0, a + CAUSAL_QUERY_ROWS) only (`causal_query_blocks`),
+    whose later keys are masked for all of them. The same numbers up to float32 summation order
+    (masked keys weigh exactly 0 either way)."""
+    blocks = [_grouped_attention(q[:, :, :, start:end], k[..., :end], v[:, :, :end], mask[..., start:end, :end], scale)[0]
+              for start, end in causal_query_blocks(q.shape[3])]
     return jnp.concatenate(blocks, axis=3)
 
 

@@ -51,6 +51,12 @@ FUSED_QKVG_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "gate_proj")
 # PyTorch's CPU kernel, 0.84x at 1000 (one thread; 32 and 128 close).
 CAUSAL_QUERY_ROWS = 64
 
+
+def causal_query_blocks(length: int, rows: int = CAUSAL_QUERY_ROWS) -> list[tuple[int, int]]:
+    """The blocks ``(start, end)`` of a ``length``-token prompt's query rows, in order: rows
+    [start, end) attend over keys [0, end) (both twins' whole-prompt attention)."""
+    return [(start, min(start + rows, length)) for start in range(0, length, rows)]
+
 # Hyper-connection routing: rounds of log-space Sinkhorn normalisation (rows, then columns).
 SINKHORN_ITERATIONS = 20
 # Widest logit spread (max - min, in nats) of one lane-mixing matrix that the models' Sinkhorn

@@ -25,6 +25,7 @@ from .numerics import (
     SINKHORN_LINEAR_SPACE_MAX_SPREAD,
     UINT32_MASK,
     engram_table_orders,
+    causal_query_blocks,
     engram_table_seeds,
     hyper_connection_offsets,
     rope_inverse_frequencies,
@@ -75,11 +76,9 @@ def grouped_sdpa_attention_forward(
     length = query.shape[2]
     options = dict(dropout_p=dropout, scale=scaling, enable_gqa=key.shape[1] != query.shape[1])
     if plain_causal and attention_mask is not None and key.shape[-2] == length > CAUSAL_QUERY_ROWS:
-        blocks = []
-        for start in range(0, length, CAUSAL_QUERY_ROWS):
-            end = min(start + CAUSAL_QUERY_ROWS, length)
-            blocks.append(F.scaled_dot_product_attention(query[:, :, start:end], key[:, :, :end], value[:, :, :end],
-                                                         attn_mask=attention_mask[:, :, start:end, :end], **options))
+        blocks = [F.scaled_dot_product_attention(query[:, :, start:end], key[:, :, :end], value[:, :, :end],
+                                                 attn_mask=attention_mask[:, :, start:end, :end], **options)
+                  for start, end in causal_query_blocks(length)]
         return torch.cat(blocks, dim=2).transpose(1, 2).contiguous(), None
     if attention_mask is not None:
         attention_mask = attention_mask[..., : key.shape[-2]]

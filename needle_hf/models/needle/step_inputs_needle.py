@@ -52,8 +52,8 @@ class NeedleStepInputs:
     packed_layout: a packed batch's sequences one per row (`PackedLayout`); attention then runs over
         that layout, and ``attention_mask`` is its [Q, 1, M, M] mask.
     plain_causal: ``attention_mask`` is the plain causal mask over S = T keys (a whole prompt without
-        padding, window or packing), so a kernel may run its causal mode instead of reading it
-        (`grouped_sdpa_attention_forward`); decided outside traced graphs only.
+        padding, window or packing), so the CPU's sdpa kernel runs it in blocks of query rows over the
+        keys up to each block's end (`grouped_sdpa_attention_forward`); decided outside traced graphs only.
     """
 
     key_visible: torch.Tensor
