@@ -271,6 +271,17 @@ def test_the_flax_loop_reads_the_confidence_off_its_decoding_steps(agents, monke
     again = backend.generate(prompts, max_new_tokens=MAX_NEW_TOKENS, tools=agent._offered)
     assert made == [] and [g.ids for g in again] == [g.ids for g in generations]
     assert [g.confidence for g in again] == [g.confidence for g in generations]
+    # Each decoding step hands its input cache over to XLA (donated: written in place, not copied);
+    # the kept empty cache, which the prefill step reads, stays alive for the next call.
+    import jax
+
+    handed = []
+    decoding_step = backend._decoding_step
+    monkeypatch.setattr(backend, "_decoding_step", lambda *args: handed.append(args[4]) or decoding_step(*args))
+    assert [g.ids for g in backend.generate(prompts, max_new_tokens=MAX_NEW_TOKENS, tools=agent._offered)] == \
+        [g.ids for g in generations]
+    assert handed and all(leaf.is_deleted() for cache in handed for leaf in jax.tree_util.tree_leaves(cache))
+    assert not any(leaf.is_deleted() for leaf in jax.tree_util.tree_leaves(backend._empty[1]))
     agent.reset()
     envelope = agent.complete(QUERIES[next(row for row, g in enumerate(generations) if g.finished)], MAX_NEW_TOKENS)
     assert second_forwards == [] and (envelope["confidence"] is not None) == envelope["success"]
