@@ -97,10 +97,10 @@ def measure_torch_static_compiled(folder, batch, prompt_len, new_tokens):
     return compile_s, seconds, first[:, prompt_len:].numpy()
 
 
-def read_bandwidth_bytes_per_second(size_bytes: int = 1600 * 2**20, repeats: int = 5) -> float:
-    """Bytes per second a two-thread float32 matrix-vector product reads from a `size_bytes` matrix:
-    what a decoding step does with its weights, on all (both) cores. The fastest of `repeats` after a
-    warm-up; torch when installed (its threads), else numpy's BLAS."""
+def read_bandwidth_bytes_per_second(size_bytes: int = 1600 * 2**20, repeats: int = 5, *, threads: int = 2) -> float:
+    """Bytes per second a float32 matrix-vector product on ``threads`` threads reads from a `size_bytes`
+    matrix: what a decoding step does with its weights, by default on all (both) cores. The fastest of
+    `repeats` after a warm-up; torch when installed (its threads), else numpy's BLAS (its own threads)."""
     try:
         import torch
     except ImportError:
@@ -108,7 +108,7 @@ def read_bandwidth_bytes_per_second(size_bytes: int = 1600 * 2**20, repeats: int
     columns = 4096
     rows = size_bytes // (4 * columns)
     if torch is not None:
-        torch.set_num_threads(2)
+        torch.set_num_threads(threads)
         matrix, vector = torch.ones(rows, columns), torch.ones(columns)
         product = lambda: torch.mv(matrix, vector)  # noqa: E731
     else:

@@ -23,7 +23,8 @@ after the first token, total ms of the call (the median of 3 after a warm-up cal
 reported as the first call); the reference's total for the same number of new tokens and for 25.
 Bounds: prefill against this machine's measured float32 GEMM rate (2 x weight-matmul parameters x
 prompt tokens of work); decode against the read bound (weight bytes a step reads / the bandwidth a
-two-thread matrix-vector product reaches).
+two-thread matrix-vector product reaches). The same two rates on one thread are printed beside them:
+the ceiling of a one-thread row's phases as a share of those bounds.
 
     .venv/bin/python benchmarks/tool_call_latency.py [--rows torch flax ...] [--skip-reference]
 """
@@ -144,11 +145,12 @@ def measure_reference(folder, row, same_call_tokens=NEW_TOKENS):
             "peak_rss_bytes": peak_rss_bytes()}
 
 
-def gemm_flops_per_second(size: int = 1024, repeats: int = 5) -> float:
-    """Float32 GEMM rate on both cores (torch), the fastest of `repeats` after a warm-up."""
+def gemm_flops_per_second(size: int = 1024, repeats: int = 5, *, threads: int = 2) -> float:
+    """Float32 GEMM rate on ``threads`` threads (torch; by default both cores), the fastest of `repeats`
+    after a warm-up."""
     import torch
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(threads)
     a, b = torch.randn(size, size), torch.randn(size, size)
     a @ b
     fastest = min(_timed(lambda: a @ b) for _ in range(repeats))
@@ -171,8 +173,12 @@ def prepare(folder):
         pickle.dump({"format_version": 2, "params": params, "config": native, "step": 0, "run": {}}, handle)
     build_fast_tokenizer(TOKENIZER).save_pretrained(folder)
     os.sync()
+    # The bounds are the two-thread figures; the one-thread ones are what a one-thread row (the SDK's
+    # default) can reach at most, printed beside them.
     emit({"gemm_flops_per_second": gemm_flops_per_second(),
-          "read_bandwidth_bytes_per_second": read_bandwidth_bytes_per_second()})
+          "read_bandwidth_bytes_per_second": read_bandwidth_bytes_per_second(),
+          "one_thread_gemm_flops_per_second": gemm_flops_per_second(threads=1),
+          "one_thread_read_bandwidth_bytes_per_second": read_bandwidth_bytes_per_second(threads=1)})
 
 
 def weight_counts(folder) -> tuple[int, int]:
@@ -219,6 +225,10 @@ def main(argv=None):
     decode_bound = bandwidth / step_bytes
     print(f"machine: float32 GEMM {gemm / 1e9:.1f} GFLOP/s (2 threads); read bandwidth {bandwidth / 1e9:.1f} GB/s"
           f" -> decode bound {decode_bound:.1f} tok/s ({step_bytes / 1e6:.0f} MB of weights per step)")
+    gemm_1, bandwidth_1 = machine["one_thread_gemm_flops_per_second"], machine["one_thread_read_bandwidth_bytes_per_second"]
+    print(f"one thread: GEMM {gemm_1 / 1e9:.1f} GFLOP/s ({100 * gemm_1 / gemm:.0f}% of the prefill bound), read"
+          f" {bandwidth_1 / 1e9:.1f} GB/s ({100 * bandwidth_1 / bandwidth:.0f}% of the decode bound): the most a"
+          " one-thread row's phases can reach")
     print(f"{'row':<16}{'prompt':>7}{'new':>5}{'TTFT ms':>9}{'prefill tok/s':>15}{'(bound)':>9}"
           f"{'decode tok/s':>14}{'(bound)':>9}{'total ms':>10}{'first call s':>14}{'peak RSS MB':>13}")
     reference = results.get("reference")
