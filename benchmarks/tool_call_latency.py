@@ -225,7 +225,8 @@ def main(argv=None):
     decode_bound = bandwidth / step_bytes
     print(f"machine: float32 GEMM {gemm / 1e9:.1f} GFLOP/s (2 threads); read bandwidth {bandwidth / 1e9:.1f} GB/s"
           f" -> decode bound {decode_bound:.1f} tok/s ({step_bytes / 1e6:.0f} MB of weights per step)")
-    gemm_1, bandwidth_1 = machine["one_thread_gemm_flops_per_second"], machine["one_thread_read_bandwidth_bytes_per_second"]
+    gemm_1 = machine["one_thread_gemm_flops_per_second"]
+    bandwidth_1 = machine["one_thread_read_bandwidth_bytes_per_second"]
     print(f"one thread: GEMM {gemm_1 / 1e9:.1f} GFLOP/s ({100 * gemm_1 / gemm:.0f}% of the prefill bound), read"
           f" {bandwidth_1 / 1e9:.1f} GB/s ({100 * bandwidth_1 / bandwidth:.0f}% of the decode bound): the most a"
           " one-thread row's phases can reach")

@@ -353,7 +353,7 @@ class FlaxBackend(_Backend):
         fed_cells, fed_keep = [], [mask.astype(bool)]  # per forward: cells [B, S, L + 1, D], kept [B, S]
         start = time.perf_counter()
         logits, cache, cells = self._prefill_step(self._params, jnp.asarray(ids, jnp.int32), jnp.asarray(full_mask),
-                                          jnp.asarray(positions), cache)
+                                                  jnp.asarray(positions), cache)
         fed_cells.append(cells)
         prefill = None
         for _ in range(max_new_tokens):
@@ -382,7 +382,7 @@ class FlaxBackend(_Backend):
                 break
             fed_keep.append(~done[:, None])  # the next forward feeds this token: part of the answer
             logits, cache, cells = self._decoding_step(self._params, jnp.asarray(chosen[:, None], jnp.int32),
-                                              jnp.asarray(full_mask), jnp.asarray(next_position), cache)
+                                                       jnp.asarray(full_mask), jnp.asarray(next_position), cache)
             fed_cells.append(cells)
             next_position = next_position + 1
         end = time.perf_counter()
