@@ -82,7 +82,7 @@ from .ops_flax_needle import (  # noqa: F401  (re-exported: the twin ops table)
 from .projections_flax_needle import FUSED_QKVG_KERNEL, FlaxNeedleLinear, fused_projections, with_decoding_kernels  # noqa: F401  (re-exported)
 from .rematerialisation_flax_needle import rematerialised
 from .specification_needle import (  # noqa: F401  (re-exported)
-    NeedleWeightsError, check_positions, embedding_scale, positions_taken, prompt_ids_error,
+    NeedleWeightsError, check_positions, embedding_scale, logits_to_keep_option, positions_taken, prompt_ids_error,
 )
 
 # transformers copies only a model file's own relative imports out of a local folder
@@ -799,8 +799,7 @@ class FlaxNeedlePreTrainedModel(FlaxPreTrainedModel):
                 raise ValueError("lora: pass the merged params (finetune_flax.merge_lora) to train under deploy numerics")
             variables["lora"] = lora
         options = dict(output_attentions=output_attentions, output_hidden_states=output_hidden_states, return_dict=return_dict)
-        if isinstance(logits_to_keep, bool) or not isinstance(logits_to_keep, int) or logits_to_keep < 0:
-            raise ValueError(f"logits_to_keep: expected an int >= 0 (0 keeps all), found {logits_to_keep!r}")
+        logits_to_keep = logits_to_keep_option(logits_to_keep)
         if self.module_class is FlaxNeedleForCausalLMModule:
             options["output_mtp_logits"] = output_mtp_logits
             options["logits_to_keep"] = logits_to_keep

@@ -106,6 +106,13 @@ def attention_window_option(value) -> int:
     return int(value)
 
 
+def logits_to_keep_option(value) -> int:
+    """A causal LM's ``logits_to_keep`` as an int: the last ``n`` positions' logits, 0 keeps all."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"logits_to_keep: expected an int >= 0 (0 keeps all), found {value!r}")
+    return value
+
+
 def check_positions(positions: int, max_position_embeddings: int) -> None:
     """The text must fit the positions the model was trained for.
 
@@ -180,6 +187,7 @@ __all__ = [
     "check_positions",
     "positions_taken",
     "embedding_scale",
+    "logits_to_keep_option",
     "prompt_ids_error",
     "walsh_operand_names",
 ]
