@@ -1,12 +1,15 @@
 """Rules both twins apply alike, each test running both on the same input: the wording of a damaged
-checkpoint (the one checker of `weight_names`) and the position limit (`specification_needle
-.check_positions`, at a forward without a cache and at the start of `generate`).
+checkpoint (the one checker of `weight_names`), the position limit (`specification_needle
+.check_positions`, at a forward without a cache and at the start of `generate`) and the logits a forward
+keeps (`specification_needle.logits_to_keep_option`).
 
 The Flax half runs where transformers 4.x with Flax is installed; under transformers 5 (.venv-v5)
 the PyTorch half still holds the exact message the Flax model gives.
 """
 
 from __future__ import annotations
+
+import re
 
 import numpy as np
 import pytest
@@ -162,3 +165,36 @@ def test_both_twins_refuse_ids_and_positions_that_are_no_text_at_a_forward(check
             torch_model(ids, labels=ids[:, :4])
         with pytest.raises(ValueError, match=r"shift_labels: expected integer token ids of shape \(2, 6\)"):
             torch_model(ids, shift_labels=ids.float())
+
+
+def test_both_twins_keep_the_same_logits_and_refuse_the_same_logits_to_keep(checkpoint):
+    """``logits_to_keep``: the last n positions' logits in both twins (0 keeps all); a negative, float,
+    bool or string value is refused with the same message (`specification_needle.logits_to_keep_option`).
+    The PyTorch twin also takes a 1-D integer tensor of positions, as transformers' models do."""
+    config, _, folder = checkpoint
+    ids = np.random.default_rng(3).integers(1, config.vocab_size, size=(2, 7))
+    torch_model = NeedleForCausalLM.from_pretrained(folder).eval()
+    twins = _twins(folder)
+    flax_model = twins["flax"](folder) if "flax" in twins else None
+    message = r"logits_to_keep: expected an int >= 0 \(0 keeps all\)"
+    with torch.no_grad():
+        whole = torch_model(torch.from_numpy(ids)).logits.numpy()
+        for keep in (0, 1, 3):
+            kept = torch_model(torch.from_numpy(ids), logits_to_keep=keep).logits.numpy()
+            np.testing.assert_allclose(kept, whole[:, -keep:] if keep else whole, atol=1e-6)
+        picked = torch_model(torch.from_numpy(ids), logits_to_keep=torch.tensor([0, 4])).logits.numpy()
+        np.testing.assert_allclose(picked, whole[:, [0, 4]], atol=1e-6)
+        for bad in (-1, 1.5, True, "1"):
+            with pytest.raises(ValueError, match=rf"{message}, found {re.escape(repr(bad))}$"):
+                torch_model(torch.from_numpy(ids), logits_to_keep=bad)
+        for bad, found in ((torch.tensor([0.0, 4.0]), r"torch.float32 of shape \(2,\)"),
+                           (torch.tensor([[0, 4]]), r"torch.int64 of shape \(1, 2\)")):
+            with pytest.raises(ValueError, match=rf"{message} or a 1-D integer tensor of positions, found {found}"):
+                torch_model(torch.from_numpy(ids), logits_to_keep=bad)
+    if flax_model is not None:
+        for keep in (1, 3):
+            kept = np.asarray(flax_model(ids, logits_to_keep=keep).logits)
+            np.testing.assert_allclose(kept, whole[:, -keep:], atol=1e-4)
+        for bad in (-1, 1.5, True, "1"):
+            with pytest.raises(ValueError, match=rf"{message}, found {re.escape(repr(bad))}$"):
+                flax_model(ids, logits_to_keep=bad)

@@ -110,6 +110,7 @@ from .specification_needle import (
     NeedleWeightsError,  # the one exception of both twins' strict loading
     check_positions,
     embedding_scale,
+    logits_to_keep_option,
     positions_taken,
 )
 from .step_inputs_needle import NeedleStepInputs, NeedleStepInputsMixin
@@ -721,8 +722,8 @@ class NeedleForCausalLM(NeedlePreTrainedModel, NeedleGenerationMixin, NeedleHead
             shift_labels: [B, T] labels already aligned with the logits (instead of ``labels``).
             num_items_in_batch: the number of target tokens of the whole (accumulated) batch: the loss
                 is then a sum divided by it, so gradient accumulation matches one big batch.
-            logits_to_keep: keep the logits of the last ``n`` positions (int, 0 = all) or of the given
-                position indices (tensor); applies to ``mtp_logits`` too.
+            logits_to_keep: keep the logits of the last ``n`` positions (int >= 0, 0 = all) or of the
+                given position indices (a 1-D integer tensor [K]); applies to ``mtp_logits`` too.
             return_mtp_logits: also return ``mtp_logits`` (``mtp_logits[:, t]`` scores token t + 2);
                 only on a forward over the whole text (empty cache). In a packed batch the MTP head
                 sees the next token as 0 at each sequence's last position, as at the end of a row.
@@ -741,6 +742,7 @@ class NeedleForCausalLM(NeedlePreTrainedModel, NeedleGenerationMixin, NeedleHead
             raise ValueError("this model has no MTP head (config.use_mtp_head is False)")
         if return_mtp_logits and cache is not None and cache.get_seq_length() > 0:
             raise ValueError("mtp_logits need the whole text: call with an empty cache (the MTP block is not cached)")
+        keep = _positions_to_keep(logits_to_keep)
 
         outputs = self.model(
             input_ids=input_ids,
@@ -761,7 +763,6 @@ class NeedleForCausalLM(NeedlePreTrainedModel, NeedleGenerationMixin, NeedleHead
             compiled_parts=compiled_parts,
         )
         hidden = outputs.last_hidden_state
-        keep = _positions_to_keep(logits_to_keep)
         logits = self.tied_logits(hidden[:, keep]) if compiled_parts is None else compiled_parts.output_head(hidden[:, keep])
 
         mtp_logits = None
@@ -795,10 +796,18 @@ class NeedleForCausalLM(NeedlePreTrainedModel, NeedleGenerationMixin, NeedleHead
             **{CACHE_OUTPUT_FIELD: getattr(outputs, BASE_CACHE_OUTPUT_FIELD)},
         )
         return output if return_dict else output.to_tuple()
+
+
 def _positions_to_keep(logits_to_keep: Union[int, torch.Tensor]) -> Union[slice, torch.Tensor]:
-    if isinstance(logits_to_keep, int):
-        return slice(-logits_to_keep, None) if logits_to_keep > 0 else slice(None)
-    return logits_to_keep
+    """The positions whose logits the causal LM returns: the last ``n`` (an int, checked as the Flax twin
+    checks it, `logits_to_keep_option`; 0 keeps all), or the indices of a 1-D integer tensor [K]."""
+    if isinstance(logits_to_keep, torch.Tensor):
+        if not is_integer_tensor(logits_to_keep) or logits_to_keep.dim() != 1:
+            raise ValueError("logits_to_keep: expected an int >= 0 (0 keeps all) or a 1-D integer tensor of "
+                             f"positions, found {tensor_description(logits_to_keep)}")
+        return logits_to_keep
+    keep = logits_to_keep_option(logits_to_keep)
+    return slice(-keep, None) if keep else slice(None)
 
 
 __all__ = ["NeedlePreTrainedModel", "NeedleModel", "NeedleForCausalLM", "NeedleCausalLMOutput", "NeedleWeightsError"]
